@@ -1,0 +1,453 @@
+"""OffloadAdamW: torch.optim.AdamW with its state in host memory.
+
+The optimizer is thin: it validates, lays state out in :class:`HostState`, plans chunks and hands
+each chunk to the one AdamW update in :mod:`lightning_offload_optim.functional`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
+from lightning_offload_optim.functional import SPLIT_ALIGNMENT, adamw_update
+from lightning_offload_optim.host_state import (
+    MASTER_KEY,
+    MOMENT_KEYS,
+    HostState,
+    Slot,
+    state_keys,
+)
+from lightning_offload_optim.pipeline import (
+    GRAD_KEY,
+    Chunk,
+    StagingPipeline,
+    plan_chunks,
+)
+
+#: Default elements per staged chunk and state key: 4 Mi elements, 16 MiB of fp32 per key.
+DEFAULT_CHUNK_SIZE = 1 << 22
+
+
+@dataclass
+class _Active:
+    """A parameter updated in this step, with flat real views of it and its gradient."""
+
+    param: Tensor
+    slot: Slot
+    group: int
+    flat_param: Tensor
+    flat_grad: Tensor
+    step: Tensor
+
+
+def _resolve_pin_memory(pin_memory: bool | None) -> bool:
+    available = torch.accelerator.is_available()
+    if pin_memory is None:
+        return available
+    if pin_memory and not available:
+        warnings.warn(
+            "OffloadAdamW(pin_memory=True) needs an accelerator to pin host memory and none is "
+            "available; keeping the optimizer state in ordinary (pageable) host memory.",
+            stacklevel=3,
+        )
+        return False
+    return bool(pin_memory)
+
+
+def _describe(group: int, position: int) -> str:
+    return f"parameter {position} of param group {group}"
+
+
+class OffloadAdamW(torch.optim.AdamW):
+    """AdamW whose state (moments, and an fp32 master copy of bf16/fp16 params) lives in host RAM.
+
+    A drop-in for :class:`torch.optim.AdamW`: same hyperparameters, param groups, LR schedulers,
+    closures and ``state_dict`` format. Parameters and gradients stay on their device; each step
+    streams bounded chunks of state to it, updates them with torch's fused AdamW kernel, and
+    streams them back, so the accelerator holds only the staging buffers. Results are
+    bit-identical to ``torch.optim.AdamW(fused=True)`` (see docs/exactness.md).
+
+    Args:
+        params, lr, betas, eps, weight_decay, amsgrad, maximize: as :class:`torch.optim.AdamW`.
+        pin_memory: page-lock the host buffers (needed for copies that overlap compute).
+            ``None`` pins when an accelerator is available; ``True`` without one warns and
+            falls back to ordinary memory.
+        enabled: ``False`` makes this exactly ``torch.optim.AdamW`` (state on the device).
+        chunk_size: elements per staged chunk and state key (rounded down to a multiple of 64).
+            Device memory used is about ``2 * chunk_size * 4 bytes * number of state keys``.
+        force_staging: stage chunks through separate buffers even for CPU parameters (tests).
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = OffloadAdamW(model.parameters(), lr=1e-2)
+        >>> model(torch.randn(8, 4)).sum().backward()
+        >>> opt.step()
+        >>> sorted(opt.offloaded_state(model.weight))
+        ['exp_avg', 'exp_avg_sq']
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        pin_memory: bool | None = None,
+        enabled: bool = True,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        force_staging: bool = False,
+    ) -> None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+            raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+        if chunk_size < SPLIT_ALIGNMENT:
+            raise ValueError(f"chunk_size must be at least {SPLIT_ALIGNMENT}, got {chunk_size}")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
+        self.enabled = bool(enabled)
+        self.chunk_size = chunk_size - chunk_size % SPLIT_ALIGNMENT
+        self.pin_memory = _resolve_pin_memory(pin_memory) if self.enabled else False
+        self._host = HostState(self.pin_memory)
+        self._pipeline = StagingPipeline(self.chunk_size, force_staging)
+        self.register_state_dict_post_hook(self._add_offloaded_state, prepend=True)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Run ``closure`` (with gradients enabled) if given, then one AdamW step; return its loss.
+
+        Everything is validated and allocated before any parameter or state is modified, so a
+        step that raises leaves the optimizer and the model as they were.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.enabled:
+            _torch_adamw_step(self)
+            return loss
+
+        active = self._collect_active()
+        if not active:
+            return loss
+        chunks = plan_chunks([a.slot for a in active], self.chunk_size)
+        self._pipeline.prepare(chunks)
+        self._initialise_new_state(active)
+        steps = [a.step for a in active]
+        torch._foreach_add_(steps, torch.tensor(1.0), alpha=1.0)
+        device_steps = self._steps_on_devices(active)
+
+        def update(chunk: Chunk, views: dict[str, Tensor]) -> None:
+            self._update_chunk(chunk, views, active, device_steps)
+
+        self._pipeline.run(chunks, update)
+        return loss
+
+    def _collect_active(self) -> list[_Active]:
+        """Validate this step's parameters and lay out state for new ones (no mutation of state)."""
+        found: list[tuple[Tensor, int]] = []
+        new: list[tuple[Tensor, tuple[str, ...]]] = []
+        for g, group in enumerate(self.param_groups):
+            for position, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(
+                        f"OffloadAdamW does not support sparse gradients ({_describe(g, position)}"
+                        "); use torch.optim.SparseAdam for sparse embeddings"
+                    )
+                slot = self._host.slots.get(param)
+                keys = state_keys(param, group["amsgrad"])
+                if slot is None:
+                    if self.state.get(param):
+                        raise RuntimeError(
+                            f"{_describe(g, position)} has a step count but no offloaded state; "
+                            "was optimizer.state edited by hand?"
+                        )
+                    new.append((param, keys))
+                else:
+                    self._check_unchanged(param, slot, keys, g, position)
+                found.append((param, g))
+        if new:
+            self._host.allocate(new)
+        active = []
+        for param, g in found:
+            slot = self._host.slots[param]
+            step = self.state[param].get("step") if self.state.get(param) else None
+            active.append(
+                _Active(
+                    param,
+                    slot,
+                    g,
+                    slot.layout.flat(param),
+                    slot.layout.flat(param.grad),
+                    step if step is not None else torch.tensor(0.0),
+                )
+            )
+        return active
+
+    def _check_unchanged(
+        self,
+        param: Tensor,
+        slot: Slot,
+        keys: tuple[str, ...],
+        group: int,
+        position: int,
+    ) -> None:
+        layout = slot.layout
+        if (param.shape, param.dtype, param.device, param.stride()) != (
+            layout.shape,
+            layout.dtype,
+            layout.device,
+            layout.stride,
+        ):
+            raise RuntimeError(
+                f"{_describe(group, position)} changed since its optimizer state was created: "
+                f"it was {layout.describe()} and is now shape {tuple(param.shape)}, dtype "
+                f"{param.dtype}, device {param.device}. Move or cast the model before creating "
+                "the optimizer, or create a new optimizer."
+            )
+        missing = set(keys) - set(slot.arena.keys)
+        if missing and self.state.get(param):
+            raise RuntimeError(
+                f"{_describe(group, position)} has state without {sorted(missing)}: amsgrad "
+                "cannot be switched on after the first step"
+            )
+
+    def _initialise_new_state(self, active: list[_Active]) -> None:
+        """Zero the moments of parameters stepping for the first time; fill pending masters."""
+        fresh = [a for a in active if not self.state.get(a.param)]
+        pending = [a for a in active if MASTER_KEY in a.slot.arena.keys and not a.slot.master_ready]
+        if not fresh and not pending:
+            return
+        self._pipeline.wait_host()
+        for a in fresh:
+            for key in a.slot.arena.keys:
+                if key != MASTER_KEY:
+                    a.slot.view(key).zero_()
+            self.state[a.param]["step"] = a.step
+        for a in pending:
+            a.slot.view(MASTER_KEY).copy_(a.flat_param)
+            a.slot.master_ready = True
+
+    @staticmethod
+    def _steps_on_devices(active: list[_Active]) -> list[Tensor]:
+        """Each active parameter's step count on its own device (the fused kernels read it there)."""
+        on_host = [a.step for a in active]
+        devices = {a.param.device for a in active}
+        if devices == {torch.device("cpu")}:
+            return on_host
+        copies = {d: torch.stack(on_host).to(d, non_blocking=True) for d in devices}
+        return [copies[a.param.device][i] for i, a in enumerate(active)]
+
+    def _update_chunk(
+        self,
+        chunk: Chunk,
+        views: dict[str, Tensor],
+        active: list[_Active],
+        steps: list[Tensor],
+    ) -> None:
+        """Apply AdamW to one chunk whose state is in ``views``, one kernel call per param group."""
+        calls: dict[int, _KernelLists] = {}
+        for seg in chunk.segments:
+            a = active[seg.index]
+            lists = calls.setdefault(a.group, _KernelLists())
+            lists.add(
+                a,
+                seg.start,
+                seg.stop,
+                slice(seg.offset, seg.offset + seg.stop - seg.start),
+            )
+            lists.steps.append(steps[seg.index])
+        for g, lists in calls.items():
+            group = self.param_groups[g]
+            targets, grads = lists.params, lists.grads
+            if MASTER_KEY in views:  # bf16/fp16 params: update the fp32 master, then round
+                targets = [views[MASTER_KEY][s] for s in lists.state]
+                grads = [views[GRAD_KEY][s] for s in lists.state]
+                torch._foreach_copy_(grads, lists.grads)
+            beta1, beta2 = group["betas"]
+            adamw_update(
+                targets,
+                grads,
+                [views["exp_avg"][s] for s in lists.state],
+                [views["exp_avg_sq"][s] for s in lists.state],
+                [views["max_exp_avg_sq"][s] for s in lists.state] if group["amsgrad"] else [],
+                lists.steps,
+                lr=group["lr"],
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                amsgrad=group["amsgrad"],
+                maximize=group["maximize"],
+            )
+            if MASTER_KEY in views:
+                torch._foreach_copy_(lists.params, targets)
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.AdamW's format, loadable by it: per parameter ``step``, ``exp_avg``,
+        ``exp_avg_sq`` (and ``max_exp_avg_sq``), plus ``master_param`` for bf16/fp16 params.
+
+        The moments are fp32 views of the host buffers, as torch returns references to its state.
+        """
+        return super().state_dict()  # the offloaded state is added by _add_offloaded_state
+
+    def _add_offloaded_state(self, _: torch.optim.Optimizer, state_dict: dict) -> dict:
+        """state_dict post-hook (registered first): put the host state back under torch's keys."""
+        if not self.enabled:
+            return state_dict
+        self._pipeline.wait_host()
+        saved_params = (i for group in state_dict["param_groups"] for i in group["params"])
+        params = (p for group in self.param_groups for p in group["params"])
+        for index, param in zip(saved_params, params, strict=True):
+            slot = self._host.slots.get(param)
+            if index in state_dict["state"] and slot is not None:
+                moments = {key: slot.layout.unflat(slot.view(key)) for key in slot.arena.keys}
+                state_dict["state"][index] = {**state_dict["state"][index], **moments}
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this optimizer or of ``torch.optim.AdamW``.
+
+        Moments are copied straight into host buffers as fp32 (never through the device, never
+        cast to a bf16 parameter's dtype). State keys may be ints or parameter names, as long as
+        the param groups list the same keys. The dict is checked whole before anything changes.
+        """
+        if not self.enabled:
+            super().load_state_dict(state_dict)
+            return
+        matched = self._match_loaded(state_dict)
+        host = HostState(self.pin_memory)
+        host.allocate([(param, state_keys(param, amsgrad)) for param, _, amsgrad in matched])
+        for param, entry, _ in matched:
+            slot = host.slots[param]
+            for key in slot.arena.keys:
+                if key in entry:
+                    slot.view(key).copy_(slot.layout.flat(entry[key]))
+            slot.master_ready = MASTER_KEY in entry
+        offloaded = (*MOMENT_KEYS, MASTER_KEY)
+        stripped = {
+            "state": {
+                index: {k: v for k, v in entry.items() if k not in offloaded}
+                for index, entry in state_dict["state"].items()
+            },
+            "param_groups": state_dict["param_groups"],
+        }
+        self._pipeline.wait_host()
+        super().load_state_dict(stripped)
+        self._host = host
+        for state in self.state.values():  # a fused or capturable AdamW saves steps on its device
+            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device="cpu")
+
+    def _match_loaded(self, state_dict: Mapping[str, Any]) -> list[tuple[Tensor, dict, bool]]:
+        """Pair each saved state entry with its parameter, or raise naming what does not fit."""
+        if (
+            not isinstance(state_dict, Mapping)
+            or not {"state", "param_groups"} <= state_dict.keys()
+        ):
+            raise ValueError("an optimizer state dict needs the keys 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        owner: dict[Any, tuple[Tensor, bool, str]] = {}
+        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"param group {g} of the loaded state dict has {len(saved['params'])} "
+                    f"parameters, this optimizer's has {len(group['params'])}"
+                )
+            for position, (key, param) in enumerate(zip(saved["params"], group["params"])):
+                owner[key] = (
+                    param,
+                    bool(saved.get("amsgrad", False)),
+                    _describe(g, position),
+                )
+        matched = []
+        for key, entry in state_dict["state"].items():
+            if key not in owner:
+                raise KeyError(f"loaded state has an entry for {key!r}, which no param group lists")
+            param, amsgrad, where = owner[key]
+            required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+            missing = [k for k in required if k not in entry]
+            if missing:
+                raise KeyError(f"loaded state for {where} (key {key!r}) is missing {missing}")
+            for name in (*MOMENT_KEYS, MASTER_KEY):
+                value = entry.get(name)
+                if value is None:
+                    continue
+                if not isinstance(value, Tensor) or value.shape != param.shape:
+                    found = tuple(value.shape) if isinstance(value, Tensor) else type(value)
+                    raise ValueError(
+                        f"loaded {name!r} for {where} has shape {found}, the parameter has "
+                        f"shape {tuple(param.shape)}"
+                    )
+                if value.is_complex() != param.is_complex():
+                    raise ValueError(
+                        f"loaded {name!r} for {where} is {value.dtype}, the parameter {param.dtype}"
+                    )
+            matched.append((param, entry, amsgrad))
+        return matched
+
+    # ------------------------------------------------------------ inspection
+    def offloaded_state(self, param: Tensor) -> dict[str, Tensor]:
+        """A copy of ``param``'s offloaded state, shaped like it: ``exp_avg``, ``exp_avg_sq``,
+        ``max_exp_avg_sq`` (amsgrad) and ``master_param`` (bf16/fp16 params), all fp32 on the host.
+
+        Copies, so inspecting never changes training; ``{}`` before the parameter's first step.
+        """
+        if not self.enabled:
+            return {k: v.clone() for k, v in self.state.get(param, {}).items() if k != "step"}
+        slot = self._host.slots.get(param)
+        if slot is None or not self.state.get(param):
+            return {}
+        self._pipeline.wait_host()
+        return {key: slot.layout.unflat(slot.view(key)).clone() for key in slot.arena.keys}
+
+    def memory_stats(self) -> dict[str, int | bool]:
+        """Host memory the offloaded state uses.
+
+        ``state_bytes``: logical bytes of state (what would otherwise sit on the device);
+        ``host_bytes``: bytes the host buffers occupy; ``pinned``: whether they are page-locked.
+        """
+        return {
+            "state_bytes": self._host.logical_bytes,
+            "host_bytes": self._host.allocated_bytes,
+            "pinned": self._host.pinned,
+        }
+
+
+class _KernelLists:
+    """The per-segment tensors of one fused-kernel call."""
+
+    def __init__(self) -> None:
+        self.params: list[Tensor] = []
+        self.grads: list[Tensor] = []
+        self.state: list[slice] = []
+        self.steps: list[Tensor] = []
+
+    def add(self, a: _Active, start: int, stop: int, state: slice) -> None:
+        self.params.append(a.flat_param[start:stop])
+        self.grads.append(a.flat_grad[start:stop])
+        self.state.append(state)
+
+
+def _torch_adamw_step(optimizer: torch.optim.AdamW) -> None:
+    """torch.optim.AdamW.step itself, without running the optimizer's step hooks a second time."""
+    step = torch.optim.AdamW.step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    step(optimizer)

@@ -1,0 +1,183 @@
+"""Chunk planning and the staging pipeline that moves state to the parameters' device and back.
+
+A step's state is cut into chunks of at most ``chunk_numel`` elements. Each chunk is one
+contiguous range of an arena (so one copy per state key), holding pieces of one or more
+parameters. On an accelerator each chunk is copied into one of a few staging buffers on a copy
+stream, updated on the compute stream, and copied back on a second copy stream; events order the
+three, so copies overlap the update and the host never waits inside a step. Extra device memory
+is ``num_buffers`` staging buffers whatever the model size.
+
+When the parameters live on the host (CPU training) the update runs on the host buffers in place;
+``force_staging=True`` runs the staged path there too, so CPU tests exercise it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lightning_offload_optim.functional import SPLIT_ALIGNMENT
+from lightning_offload_optim.host_state import MASTER_KEY, Arena, Slot
+from lightning_offload_optim.streams import PipelineStreams
+
+#: Key of the staging scratch that low-precision gradients are cast into.
+GRAD_KEY = "grad"
+
+
+@dataclass
+class Segment:
+    """The piece ``[start, stop)`` of active parameter ``index`` (flat, real), inside a chunk."""
+
+    index: int
+    start: int
+    stop: int
+    offset: int  # position of ``start`` inside the chunk
+
+
+@dataclass
+class Chunk:
+    """A contiguous range ``[start, stop)`` of one arena, moved and updated as a unit."""
+
+    arena: Arena
+    start: int
+    stop: int
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def host_views(self) -> dict[str, Tensor]:
+        return {key: buf[self.start : self.stop] for key, buf in self.arena.buffers.items()}
+
+
+def plan_chunks(slots: Sequence[Slot], chunk_numel: int) -> list[Chunk]:
+    """Cut the state of the active parameters (``slots``, in step order) into chunks.
+
+    Parameters are taken in memory order; a gap (a parameter without a gradient this step)
+    starts a new chunk, so no state is moved that is not updated. A parameter larger than the
+    room left is split at a multiple of :data:`SPLIT_ALIGNMENT` from its start.
+    """
+    order = sorted(range(len(slots)), key=lambda i: (id(slots[i].arena), slots[i].offset))
+    chunks: list[Chunk] = []
+    current: Chunk | None = None
+    for index in order:
+        slot = slots[index]
+        done = 0
+        while done < slot.layout.numel:
+            position = slot.offset + done
+            contiguous = (
+                current is not None and current.arena is slot.arena and current.stop == position
+            )
+            room = chunk_numel - current.numel if contiguous else 0
+            take = slot.layout.numel - done
+            if take > room:
+                take = room - room % SPLIT_ALIGNMENT
+            if take <= 0:
+                current = Chunk(slot.arena, position, position)
+                chunks.append(current)
+                continue
+            current.segments.append(Segment(index, done, done + take, current.numel))
+            current.stop += take
+            done += take
+    return chunks
+
+
+ChunkUpdate = Callable[[Chunk, dict[str, Tensor]], None]
+
+
+class StagingPipeline:
+    """Runs an update over chunks, staging them on the parameters' device when it is not the host.
+
+    Args:
+        chunk_numel: elements per chunk and per state key (a multiple of ``SPLIT_ALIGNMENT``).
+        force_staging: stage through separate buffers even when parameters are on the CPU.
+        num_buffers: staging buffers per device; two let one chunk load while another computes.
+    """
+
+    def __init__(self, chunk_numel: int, force_staging: bool = False, num_buffers: int = 2) -> None:
+        self.chunk_numel = chunk_numel
+        self.force_staging = force_staging
+        self.num_buffers = num_buffers
+        self._streams: dict[torch.device, PipelineStreams] = {}
+        self._buffers: dict[tuple[torch.device, torch.dtype], list[dict[str, Tensor]]] = {}
+        self._host_ready: dict[torch.device, torch.Event | None] = {}
+        self._free: dict[tuple[torch.device, torch.dtype], list[torch.Event | None]] = {}
+
+    def stages(self, device: torch.device) -> bool:
+        return self.force_staging or device.type != "cpu"
+
+    def prepare(self, chunks: Sequence[Chunk]) -> None:
+        """Allocate every buffer the chunks need, before anything is mutated."""
+        needed: dict[tuple[torch.device, torch.dtype], set[str]] = {}
+        for chunk in chunks:
+            keys = set(chunk.arena.keys) if self.stages(chunk.arena.device) else set()
+            if MASTER_KEY in chunk.arena.keys:
+                keys.add(GRAD_KEY)
+            needed.setdefault((chunk.arena.device, chunk.arena.dtype), set()).update(keys)
+        for (device, dtype), keys in needed.items():
+            streams = self._streams_for(device)
+            buffers = self._buffers.setdefault(
+                (device, dtype), [{} for _ in range(self.num_buffers)]
+            )
+            for buffer in buffers:
+                for key in keys - buffer.keys():
+                    buffer[key] = torch.empty(self.chunk_numel, dtype=dtype, device=device)
+                    if streams.is_async:  # used on the copy streams: not reused until they are done
+                        buffer[key].record_stream(streams.copy_in)
+                        buffer[key].record_stream(streams.copy_out)
+
+    def run(self, chunks: Sequence[Chunk], update: ChunkUpdate) -> None:
+        """Call ``update(chunk, views)`` for every chunk, ``views`` holding its state by key.
+
+        ``views`` also holds a :data:`GRAD_KEY` scratch for chunks with a master copy. Staged
+        chunks are written back to the host asynchronously; :meth:`wait_host` waits for that.
+        """
+        for device in {chunk.arena.device for chunk in chunks if self.stages(chunk.arena.device)}:
+            # The host buffers may still be being written by the previous step's copy-out.
+            streams = self._streams[device]
+            streams.wait(streams.copy_in, self._host_ready.get(device))
+        for index, chunk in enumerate(chunks):
+            kind = (chunk.arena.device, chunk.arena.dtype)
+            number = index % self.num_buffers
+            views = {key: buf[: chunk.numel] for key, buf in self._buffers[kind][number].items()}
+            if self.stages(chunk.arena.device):
+                self._run_staged(chunk, views, update, number)
+            else:
+                update(chunk, views | chunk.host_views())
+
+    def _run_staged(
+        self, chunk: Chunk, staged: dict[str, Tensor], update: ChunkUpdate, number: int
+    ) -> None:
+        device = chunk.arena.device
+        streams = self._streams[device]
+        free = self._free.setdefault((device, chunk.arena.dtype), [None] * self.num_buffers)
+        host = chunk.host_views()
+        with streams.on(streams.copy_in):
+            streams.wait(streams.copy_in, free[number])  # the last copy-out from this buffer
+            for key, view in host.items():
+                staged[key].copy_(view, non_blocking=True)
+            loaded = streams.record(streams.copy_in)
+        compute = streams.compute()
+        streams.wait(compute, loaded)
+        update(chunk, staged)
+        computed = streams.record(compute)
+        with streams.on(streams.copy_out):
+            streams.wait(streams.copy_out, computed)
+            for key, view in host.items():
+                view.copy_(staged[key], non_blocking=True)
+            free[number] = self._host_ready[device] = streams.record(streams.copy_out)
+
+    def wait_host(self) -> None:
+        """Block until every staged chunk has been written back to the host buffers."""
+        for event in self._host_ready.values():
+            if event is not None:
+                event.synchronize()
+
+    def _streams_for(self, device: torch.device) -> PipelineStreams:
+        if device not in self._streams:
+            self._streams[device] = PipelineStreams(device)
+        return self._streams[device]

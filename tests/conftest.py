@@ -1,0 +1,58 @@
+"""Shared helpers: run OffloadAdamW and a torch reference side by side on identical inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+SHAPES = [(300, 7), (5,), (1000,), (13, 17), (2, 3, 4, 5)]
+
+
+def make_params(
+    shapes: Sequence[tuple[int, ...]] = SHAPES,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=generator, dtype=dtype).to(device))
+        for s in shapes
+    ]
+
+
+def clone_params(params: Sequence[torch.Tensor]) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
+
+
+def set_grads(
+    params_sets: Sequence[Sequence[torch.Tensor]],
+    generator: torch.Generator,
+    skip: Callable[[int], bool] = lambda i: False,
+) -> None:
+    """Give every set the same random gradients (None where ``skip(i)``)."""
+    for i, params in enumerate(zip(*params_sets, strict=True)):
+        grad = None
+        if not skip(i):
+            grad = torch.randn(params[0].shape, generator=generator, dtype=params[0].dtype)
+        for p in params:
+            p.grad = None if grad is None else grad.to(p.device).clone()
+
+
+def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(x.detach().cpu(), y.detach().cpu()), (
+            f"tensor {i}: max diff {(x.detach().cpu() - y.detach().cpu()).abs().max()}"
+        )

@@ -1,0 +1,285 @@
+"""OffloadAdamW against torch.optim.AdamW on the same inputs.
+
+The contract (docs/exactness.md): bit-identical to ``torch.optim.AdamW(fused=True)``, which
+calls the same kernel; within fp32 rounding of torch's default (for-loop/foreach) AdamW.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SHAPES, assert_same, clone_params, make_params, set_grads
+from torch.testing._internal.common_optimizers import optim_db
+
+from lightning_offload_optim import OffloadAdamW
+
+# Direct update of host buffers (CPU params), and the staged pipeline with chunks smaller than
+# most parameters (64 elements, so a 2100-element parameter spans 33 chunks), and a middle size.
+MODES = {
+    "direct": {},
+    "staged-64": {"force_staging": True, "chunk_size": 64},
+    "staged-1000": {"force_staging": True, "chunk_size": 1000},
+}
+HYPERPARAMETERS = {
+    "defaults": {},
+    "lr": {"lr": 0.05},
+    "weight_decay": {"weight_decay": 0.3},
+    "no_weight_decay": {"weight_decay": 0.0},
+    "maximize": {"maximize": True},
+    "amsgrad": {"amsgrad": True},
+    "betas_eps": {"betas": (0.8, 0.95), "eps": 1e-5},
+    "all": {"lr": 0.02, "weight_decay": 0.2, "amsgrad": True, "maximize": True},
+}
+
+
+def run_side_by_side(
+    kwargs: dict,
+    mode: dict,
+    steps: int = 6,
+    shapes=SHAPES,
+    dtype=torch.float32,
+    skip=lambda step, i: False,
+    reference_kwargs: dict | None = None,
+):
+    params = make_params(shapes, dtype=dtype)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, **kwargs, **mode)
+    if reference_kwargs is None:
+        reference_kwargs = {"fused": True}
+    torch_opt = torch.optim.AdamW(reference, **kwargs, **reference_kwargs)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        set_grads([params, reference], generator, skip=lambda i, s=step: skip(s, i))
+        offload.step()
+        torch_opt.step()
+    return params, reference, offload, torch_opt
+
+
+def assert_state_equal(offload: OffloadAdamW, torch_opt: torch.optim.AdamW, params, reference):
+    for p, r in zip(params, reference, strict=True):
+        expected = {k: v for k, v in torch_opt.state.get(r, {}).items() if k != "step"}
+        got = offload.offloaded_state(p)
+        assert got.keys() == expected.keys()
+        assert_same([got[k] for k in expected], list(expected.values()))
+        if expected:
+            assert torch.equal(offload.state[p]["step"], torch_opt.state[r]["step"].cpu())
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("kwargs", HYPERPARAMETERS.values(), ids=HYPERPARAMETERS.keys())
+def test_bit_identical_to_torch_fused(kwargs, mode):
+    params, reference, offload, torch_opt = run_side_by_side(kwargs, mode)
+    assert_same(params, reference)
+    assert_state_equal(offload, torch_opt, params, reference)
+
+
+@pytest.mark.parametrize("kwargs", HYPERPARAMETERS.values(), ids=HYPERPARAMETERS.keys())
+def test_close_to_torch_default_implementation(kwargs):
+    params, reference, _, _ = run_side_by_side(kwargs, MODES["staged-64"], reference_kwargs={})
+    for p, r in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "optim_input",
+    [o for o in optim_db if o.optim_cls is torch.optim.AdamW][0].optim_inputs_func(device="cpu"),
+    ids=lambda o: o.desc,
+)
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_torch_own_adamw_inputs(optim_input, mode):
+    params, reference, offload, torch_opt = run_side_by_side(optim_input.kwargs, mode)
+    assert_same(params, reference)
+    assert_state_equal(offload, torch_opt, params, reference)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_param_groups_and_changing_hyperparameters(mode):
+    params = make_params()
+    reference = clone_params(params)
+
+    def groups(ps):
+        return [
+            {"params": ps[:2], "lr": 0.01, "weight_decay": 0.5},
+            {"params": ps[2:4], "betas": (0.5, 0.9), "amsgrad": True},
+            {"params": ps[4:], "lr": 0.1, "maximize": True, "eps": 1e-3},
+        ]
+
+    offload = OffloadAdamW(groups(params), lr=3e-3, **mode)
+    torch_opt = torch.optim.AdamW(groups(reference), lr=3e-3, fused=True)
+    schedulers = [
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.01, 0.2], total_steps=10)
+        for opt in (offload, torch_opt)
+    ]
+    generator = torch.Generator().manual_seed(2)
+    for step in range(8):
+        set_grads([params, reference], generator)
+        if step == 4:  # hand-edited hyperparameters between steps
+            for opt in (offload, torch_opt):
+                opt.param_groups[0]["weight_decay"] = 0.0
+                opt.param_groups[1]["betas"] = (0.7, 0.99)
+        offload.step()
+        torch_opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
+    assert_same(params, reference)
+    assert_state_equal(offload, torch_opt, params, reference)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_tensor_lr(mode):
+    params, reference, *_ = run_side_by_side({"lr": torch.tensor(0.01)}, mode)
+    assert_same(params, reference)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_missing_gradients_and_frozen_parameters(mode):
+    # Parameter 1 is frozen (never a gradient); 3 has gradients only on even steps.
+    params, reference, offload, torch_opt = run_side_by_side(
+        {"weight_decay": 0.1}, mode, steps=7, skip=lambda s, i: i == 1 or (i == 3 and s % 2)
+    )
+    assert_same(params, reference)
+    assert_state_equal(offload, torch_opt, params, reference)
+    assert offload.offloaded_state(params[1]) == {}
+    assert offload.state_dict()["state"].keys() == torch_opt.state_dict()["state"].keys()
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_complex_parameters(mode, amsgrad):
+    shapes = [(40, 3), (7,)]
+    params = make_params(shapes, dtype=torch.complex64)
+    reference = clone_params(params)
+    # torch's fused kernel takes no complex tensors; torch's own AdamW views complex parameters
+    # as real pairs, so fused AdamW over real views of the same values is the exact reference.
+    real_reference = [torch.nn.Parameter(torch.view_as_real(p.detach()).clone()) for p in params]
+    offload = OffloadAdamW(params, amsgrad=amsgrad, **mode)
+    torch_opt = torch.optim.AdamW(reference, amsgrad=amsgrad)
+    fused_real = torch.optim.AdamW(real_reference, amsgrad=amsgrad, fused=True)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        set_grads([params, reference], generator)
+        for p, r in zip(params, real_reference, strict=True):
+            r.grad = torch.view_as_real(p.grad).clone()
+        for opt in (offload, torch_opt, fused_real):
+            opt.step()
+    assert_same([torch.view_as_real(p) for p in params], real_reference)
+    for p, r in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+        state = offload.offloaded_state(p)
+        assert state["exp_avg"].dtype == torch.complex64
+        torch.testing.assert_close(state["exp_avg_sq"], torch_opt.state[r]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parameters_keep_fp32_state_and_master(mode, dtype):
+    params = make_params(dtype=dtype)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    low_precision_reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=1e-2, **mode)
+    fp32_reference = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    torch_low_precision = torch.optim.AdamW(low_precision_reference, lr=1e-2)
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(6):
+        set_grads([params, low_precision_reference], generator)
+        for p, m in zip(params, masters, strict=True):
+            m.grad = p.grad.float()
+        for opt in (offload, fp32_reference, torch_low_precision):
+            opt.step()
+    # Exact: fp32 AdamW on the fp32 master copy, then rounded to the parameter dtype.
+    assert_same(params, [m.detach().to(dtype) for m in masters])
+    for p, m in zip(params, masters, strict=True):
+        state = offload.offloaded_state(p)
+        assert {v.dtype for v in state.values()} == {torch.float32}
+        assert_same([state["master_param"]], [m])
+        assert_same([state["exp_avg_sq"]], [fp32_reference.state[m]["exp_avg_sq"]])
+    # torch's own AdamW on low-precision params keeps low-precision state: for bf16 close, not
+    # equal; for fp16, eps=1e-8 underflows to 0 and its exp_avg_sq underflows, giving inf.
+    for p, r in zip(params, low_precision_reference, strict=True):
+        assert torch.isfinite(p).all()
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(p, r, rtol=2e-2, atol=2e-2)
+
+
+def test_float64_parameters_keep_float64_state():
+    params, reference, offload, torch_opt = run_side_by_side(
+        {"weight_decay": 0.1}, MODES["staged-64"], dtype=torch.float64
+    )
+    assert_same(params, reference)
+    assert offload.offloaded_state(params[0])["exp_avg"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_channels_last_parameters(mode):
+    params = [p.detach().to(memory_format=torch.channels_last) for p in make_params([(8, 3, 5, 5)])]
+    params = [torch.nn.Parameter(p) for p in params]
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, **mode)
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        set_grads([params, reference], generator)  # contiguous grads for channels_last params
+        # torch's fused kernel reads a gradient in the parameter's memory order whatever its
+        # strides (wrong by 6e-3 here); OffloadAdamW reorders it, so give torch matching strides.
+        for r in reference:
+            r.grad = r.grad.contiguous(memory_format=torch.channels_last)
+        offload.step()
+        torch_opt.step()
+    assert_same(params, reference)
+    assert_state_equal(offload, torch_opt, params, reference)
+
+
+def test_new_param_group_after_steps():
+    params = make_params()
+    reference = clone_params(params)
+    offload = OffloadAdamW(params[:3], force_staging=True, chunk_size=64)
+    torch_opt = torch.optim.AdamW(reference[:3], fused=True)
+    generator = torch.Generator().manual_seed(6)
+    for step in range(6):
+        if step == 3:
+            offload.add_param_group({"params": params[3:], "lr": 0.1})
+            torch_opt.add_param_group({"params": reference[3:], "lr": 0.1})
+        set_grads([params, reference], generator)
+        offload.step()
+        torch_opt.step()
+    assert_same(params, reference)
+    assert len(offload._host.arenas) == 2  # one allocation per step that brought new params
+
+
+def test_enabled_false_is_torch_adamw():
+    params, reference, offload, torch_opt = run_side_by_side(
+        {"weight_decay": 0.1, "amsgrad": True}, {"enabled": False}, reference_kwargs={}
+    )
+    assert_same(params, reference)
+    assert offload._host.arenas == []
+    assert_same(
+        [offload.state[p]["exp_avg"] for p in params],
+        [torch_opt.state[r]["exp_avg"] for r in reference],
+    )
+
+
+def test_closure_runs_with_grad_and_returns_loss():
+    model = torch.nn.Linear(4, 1)
+    reference = torch.nn.Linear(4, 1)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(16, 4)
+    offload = OffloadAdamW(model.parameters(), lr=0.1)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=0.1, fused=True)
+
+    def closure_for(net, opt):
+        def closure():
+            assert torch.is_grad_enabled()
+            opt.zero_grad()
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        return closure
+
+    with torch.no_grad():
+        for _ in range(3):
+            loss = offload.step(closure_for(model, offload))
+            expected = torch_opt.step(closure_for(reference, torch_opt))
+            assert torch.equal(loss, expected)
+    assert_same(list(model.parameters()), list(reference.parameters()))
+    assert not getattr(offload, "_step_supports_amp_scaling", False)
