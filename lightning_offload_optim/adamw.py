@@ -241,7 +241,7 @@ class OffloadAdamW(torch.optim.AdamW):
 
     @staticmethod
     def _steps_on_devices(active: list[_Active]) -> list[Tensor]:
-        """Each active parameter's step count on its own device (the fused kernels read it there)."""
+        """Each active parameter's step count on its device, where the fused kernels read it."""
         on_host = [a.step for a in active]
         devices = {a.param.device for a in active}
         if devices == {torch.device("cpu")}:
@@ -370,7 +370,9 @@ class OffloadAdamW(torch.optim.AdamW):
                     f"param group {g} of the loaded state dict has {len(saved['params'])} "
                     f"parameters, this optimizer's has {len(group['params'])}"
                 )
-            for position, (key, param) in enumerate(zip(saved["params"], group["params"])):
+            for position, (key, param) in enumerate(
+                zip(saved["params"], group["params"], strict=True)
+            ):
                 owner[key] = (
                     param,
                     bool(saved.get("amsgrad", False)),

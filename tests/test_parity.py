@@ -82,7 +82,7 @@ def test_close_to_torch_default_implementation(kwargs):
 
 @pytest.mark.parametrize(
     "optim_input",
-    [o for o in optim_db if o.optim_cls is torch.optim.AdamW][0].optim_inputs_func(device="cpu"),
+    next(o for o in optim_db if o.optim_cls is torch.optim.AdamW).optim_inputs_func(device="cpu"),
     ids=lambda o: o.desc,
 )
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
@@ -202,7 +202,7 @@ def test_low_precision_parameters_keep_fp32_state_and_master(mode, dtype):
 
 
 def test_float64_parameters_keep_float64_state():
-    params, reference, offload, torch_opt = run_side_by_side(
+    params, reference, offload, _ = run_side_by_side(
         {"weight_decay": 0.1}, MODES["staged-64"], dtype=torch.float64
     )
     assert_same(params, reference)

@@ -1,0 +1,185 @@
+"""Bad input: a clear error naming the problem, and nothing modified."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import assert_same, make_params, set_grads
+
+from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim import pipeline as pipeline_module
+
+
+def trained(steps: int = 2, **kwargs):
+    params = make_params()
+    opt = OffloadAdamW(params, **kwargs)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        set_grads([params], generator)
+        opt.step()
+    set_grads([params], generator)
+    return opt, params
+
+
+def snapshot(opt, params):
+    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+
+
+def assert_unchanged(opt, params, before):
+    saved_params, saved_state = before
+    assert_same(params, saved_params)
+    now = opt.state_dict()
+    assert now["param_groups"] == saved_state["param_groups"]
+    for index, entry in saved_state["state"].items():
+        assert_same(list(now["state"][index].values()), list(entry.values()))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": -1.0}, "Invalid learning rate"),
+        ({"eps": -1e-8}, "Invalid epsilon"),
+        ({"betas": (1.0, 0.999)}, "Invalid beta parameter at index 0"),
+        ({"betas": (0.9, -0.1)}, "Invalid beta parameter at index 1"),
+        ({"weight_decay": -0.1}, "Invalid weight_decay"),
+        ({"lr": torch.tensor([0.1, 0.2])}, "Tensor lr must be 1-element"),
+        ({"chunk_size": 10}, "chunk_size must be at least 64"),
+    ],
+)
+def test_invalid_hyperparameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadAdamW(make_params(), **kwargs)
+
+
+def test_chunk_size_must_be_an_int():
+    with pytest.raises(TypeError, match="chunk_size must be an int"):
+        OffloadAdamW(make_params(), chunk_size=1e6)
+
+
+def test_sparse_gradient_is_refused_before_any_update():
+    opt, params = trained()
+    before = snapshot(opt, params)
+    params[3].grad = params[3].grad.to_sparse()
+    with pytest.raises(RuntimeError, match=r"sparse gradients \(parameter 3 of param group 0"):
+        opt.step()
+    assert_unchanged(opt, params, before)
+
+
+@pytest.mark.parametrize(
+    ("new_data", "message"),
+    [
+        (lambda p: torch.randn(3, 3), r"is now shape \(3, 3\)"),
+        (lambda p: p.detach().double(), "dtype torch.float64"),
+        (lambda p: p.detach().t().contiguous().t(), r"changed since its optimizer state"),
+    ],
+    ids=["shape", "dtype", "strides"],
+)
+def test_parameter_changed_between_steps_is_refused(new_data, message):
+    """A device change is covered in test_cuda.py (this machine has one device)."""
+    opt, params = trained()
+    before = snapshot(opt, params)
+    params[0].data = new_data(params[0])
+    params[0].grad = torch.randn_like(params[0])
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    saved_params, saved_state = before
+    assert_same(params[1:], saved_params[1:])
+    assert_same(
+        [opt.state[p]["step"] for p in params],
+        [saved_state["state"][i]["step"] for i in range(len(params))],
+    )
+
+
+def test_switching_amsgrad_on_after_the_first_step_is_refused():
+    opt, params = trained()
+    before = snapshot(opt, params)
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(RuntimeError, match="amsgrad cannot be switched on"):
+        opt.step()
+    opt.param_groups[0]["amsgrad"] = False
+    assert_unchanged(opt, params, before)
+
+
+def test_non_dense_parameter_is_refused():
+    param = torch.nn.Parameter(torch.randn(3, 1).expand(3, 4))
+    opt = OffloadAdamW([param])
+    param.grad = torch.ones(3, 4)
+    with pytest.raises(ValueError, match="needs dense parameters"):
+        opt.step()
+
+
+def test_allocation_failure_while_staging_leaves_everything_untouched(monkeypatch):
+    opt, params = trained(force_staging=True, chunk_size=64)
+    before = snapshot(opt, params)
+    opt._pipeline._buffers.clear()  # force a fresh allocation of the staging buffers
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated: out of accelerator memory while staging")
+
+    monkeypatch.setattr(pipeline_module.torch, "empty", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        opt.step()
+    monkeypatch.undo()
+    assert_unchanged(opt, params, before)
+    opt.step()  # and the optimizer still works afterwards
+
+
+def corrupt(state_dict: dict, how: str) -> dict:
+    broken = copy.deepcopy(state_dict)
+    if how == "groups":
+        broken["param_groups"].append(dict(broken["param_groups"][0], params=[]))
+    elif how == "params":
+        broken["param_groups"][0]["params"].pop()
+    elif how == "shape":
+        broken["state"][1]["exp_avg"] = torch.zeros(6)
+    elif how == "missing":
+        del broken["state"][2]["exp_avg_sq"]
+    elif how == "unknown":
+        broken["state"][99] = broken["state"][0]
+    elif how == "layout":
+        del broken["state"]
+    elif how == "complex":
+        broken["state"][0]["exp_avg"] = torch.zeros(300, 7, dtype=torch.complex64)
+    return broken
+
+
+@pytest.mark.parametrize(
+    ("how", "error", "message"),
+    [
+        ("groups", ValueError, "has 2 parameter groups, this optimizer has 1"),
+        ("params", ValueError, "param group 0 of the loaded state dict has 4 parameters"),
+        ("shape", ValueError, r"'exp_avg' for parameter 1 of param group 0 has shape \(6,\)"),
+        (
+            "missing",
+            KeyError,
+            r"parameter 2 of param group 0 \(key 2\) is missing \['exp_avg_sq'\]",
+        ),
+        ("unknown", KeyError, "entry for 99, which no param group lists"),
+        ("layout", ValueError, "needs the keys 'state' and 'param_groups'"),
+        ("complex", ValueError, "is torch.complex64, the parameter torch.float32"),
+    ],
+)
+def test_bad_state_dict_is_refused_whole(how, error, message):
+    opt, params = trained()
+    before = snapshot(opt, params)
+    with pytest.raises(error, match=message):
+        opt.load_state_dict(corrupt(opt.state_dict(), how))
+    assert_unchanged(opt, params, before)
+
+
+def test_pin_memory_without_accelerator_warns_and_falls_back():
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is present")
+    with pytest.warns(UserWarning, match="needs an accelerator to pin host memory"):
+        opt = OffloadAdamW(make_params(), pin_memory=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = OffloadAdamW(make_params())
+    assert opt.pin_memory is False and default.pin_memory is False
+    params = opt.param_groups[0]["params"]
+    set_grads([params], torch.Generator().manual_seed(0))
+    opt.step()
+    assert opt.memory_stats()["pinned"] is False
