@@ -39,7 +39,9 @@ class PerParameterLoop(torch.optim.Optimizer):
     """The original design's shape: per parameter, copy state in, update, copy it back."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
 
     @torch.no_grad()
     def step(self):
@@ -102,8 +104,10 @@ def main() -> None:
         }
         for name, t in times.items()
     }
-    print(f"{numel / 1e6:.1f}M fp32 parameters, {args.steps} steps, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"{numel / 1e6:.1f}M fp32 parameters, {args.steps} steps, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     for name, r in results.items():
         print(f"{name:24s} {r['median_ms']:8.1f} ms/step   {r['ratio_to_fused']:5.2f}x fused")
 
@@ -131,11 +135,19 @@ def plot(results: dict, meta: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.2))
     bars = ax.barh(names[::-1], values[::-1], color=colors[::-1])
     for bar, name in zip(bars, names[::-1], strict=True):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                f" {results[name]['ratio_to_fused']:.2f}x", va="center", fontsize=8)
+        ax.text(
+            bar.get_width(),
+            bar.get_y() + bar.get_height() / 2,
+            f" {results[name]['ratio_to_fused']:.2f}x",
+            va="center",
+            fontsize=8,
+        )
     ax.set_xlabel("ms per optimizer step (median)")
-    ax.set_title(f"AdamW step on CPU, {meta['parameters'] / 1e6:.0f}M fp32 params, "
-                 f"{meta['threads']} threads", fontsize=9)
+    ax.set_title(
+        f"AdamW step on CPU, {meta['parameters'] / 1e6:.0f}M fp32 params, "
+        f"{meta['threads']} threads",
+        fontsize=9,
+    )
     ax.set_xlim(0, max(values) * 1.15)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

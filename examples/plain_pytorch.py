@@ -38,7 +38,9 @@ def main() -> None:
         if step % 10 == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}")
 
-    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    same = all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
     stats = optimizer.memory_stats()
     print(f"bit-identical to torch.optim.AdamW(fused=True): {same}")
     print(

@@ -1,0 +1,144 @@
+"""GPU micro-benchmark: OffloadAdamW step time against the PCIe bound and torch's fused AdamW.
+
+The bound: a step must move every state byte host->device and back, 8 bytes/param each way for
+fp32 params (12 with a bf16 param's fp32 master). With measured pinned bandwidths ``h2d`` and
+``d2h``: ``8N/h2d + 8N/d2h`` if the two directions cannot overlap, ``max(8N/h2d, 8N/d2h)`` if
+they can (full duplex). Figures come from one run, side by side.
+
+    python benchmarks/gpu_step_time.py --out docs/figures     # ~2 minutes on an H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from lightning_offload_optim import OffloadAdamW
+
+FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
+
+
+def bandwidth(direction: str, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Pinned host<->device copy bandwidth in GB/s (median of ``repeats``)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src, dst = (host, device) if direction == "h2d" else (device, host)
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def make_params(total: int, dtype: torch.dtype, count: int = 24) -> list[torch.nn.Parameter]:
+    params = []
+    for _ in range(count):
+        p = torch.nn.Parameter(torch.randn(total // count, device="cuda", dtype=dtype))
+        p.grad = torch.randn_like(p)
+        params.append(p)
+    return params
+
+
+def time_steps(opt: torch.optim.Optimizer, steps: int) -> tuple[float, int]:
+    """Median step time in ms, and peak device memory in bytes over those steps."""
+    opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        opt.step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), torch.cuda.max_memory_allocated()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=1_000_000_000)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=FIGURES)
+    args = parser.parse_args()
+
+    h2d, d2h = bandwidth("h2d"), bandwidth("d2h")
+    print(f"{torch.cuda.get_device_name()}: pinned h2d {h2d:.1f} GB/s, d2h {d2h:.1f} GB/s")
+    rows = []
+    for dtype, moved in ((torch.float32, 8), (torch.bfloat16, 12)):
+        params = make_params(args.params, dtype)
+        numel = sum(p.numel() for p in params)
+        half_duplex = 1000 * (moved * numel / h2d + moved * numel / d2h) / 1e9
+        full_duplex = 1000 * max(moved * numel / h2d, moved * numel / d2h) / 1e9
+        candidates = {
+            f"OffloadAdamW chunk {c >> 20}Mi": lambda ps, c=c: OffloadAdamW(ps, chunk_size=c)
+            for c in (1 << 20, 1 << 22, 1 << 24)
+        }
+        if dtype == torch.float32:
+            candidates["torch AdamW fused (state on GPU)"] = lambda ps: torch.optim.AdamW(
+                ps, fused=True
+            )
+        for name, make in candidates.items():
+            opt = make(params)
+            ms, peak = time_steps(opt, args.steps)
+            rows.append(
+                {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "optimizer": name,
+                    "params": numel,
+                    "ms": ms,
+                    "peak_gib": peak / 2**30,
+                    "bound_half_duplex_ms": half_duplex,
+                    "bound_full_duplex_ms": full_duplex,
+                    "ratio_to_half_duplex_bound": ms / half_duplex,
+                }
+            )
+            print(
+                f"{rows[-1]['dtype']:9s} {name:34s} {ms:8.1f} ms  peak {peak / 2**30:6.2f} GiB"
+                f"  bound {full_duplex:.1f}-{half_duplex:.1f} ms"
+            )
+            del opt
+            torch.cuda.empty_cache()
+        del params
+        torch.cuda.empty_cache()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "h2d_gbps": h2d,
+        "d2h_gbps": d2h,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    (args.out / "gpu_step_time.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "gpu_step_time.png")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['dtype']}: {r['optimizer']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    ax.barh(labels[::-1], [r["ms"] for r in rows][::-1], color="#4c72b0")
+    for i, r in enumerate(rows[::-1]):
+        ax.plot([r["bound_full_duplex_ms"], r["bound_half_duplex_ms"]], [i, i], "k|-", ms=12)
+    ax.set_xlabel("ms per step (bars); PCIe bound full-half duplex (black)")
+    ax.set_title(f"{result['device']}, {rows[0]['params'] / 1e9:.1f}B params", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

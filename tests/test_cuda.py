@@ -1,0 +1,145 @@
+"""GPU checks (marker ``cuda``; skipped without CUDA). Run with ``benchmarks/gpu_checks.sh``."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from conftest import assert_same, clone_params, make_params, set_grads
+
+from lightning_offload_optim import OffloadAdamW
+
+pytestmark = pytest.mark.cuda
+CUDA = torch.device("cuda")
+SHAPES = [(4096, 1024), (1024,), (3, 1000, 333), (17,)]  # ~8M parameters
+CHUNK = 1 << 20
+
+
+def step_both(offload, torch_opt, params, reference, generator, steps=3):
+    for _ in range(steps):
+        set_grads([params, reference], generator)
+        offload.step()
+        torch_opt.step()
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_bit_identical_to_torch_fused_on_cuda(amsgrad):
+    params = make_params(SHAPES, device=CUDA)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=0.01, weight_decay=0.1, amsgrad=amsgrad, chunk_size=CHUNK)
+    torch_opt = torch.optim.AdamW(reference, lr=0.01, weight_decay=0.1, amsgrad=amsgrad, fused=True)
+    step_both(offload, torch_opt, params, reference, torch.Generator().manual_seed(0))
+    assert_same(params, reference)
+    for p, r in zip(params, reference, strict=True):
+        assert_same([offload.offloaded_state(p)["exp_avg_sq"]], [torch_opt.state[r]["exp_avg_sq"]])
+
+
+def test_bf16_parameters_match_fp32_master_reference_on_cuda():
+    params = make_params(SHAPES, dtype=torch.bfloat16, device=CUDA)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    offload = OffloadAdamW(params, lr=0.01, chunk_size=CHUNK)
+    fp32 = torch.optim.AdamW(masters, lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        set_grads([params], generator)
+        for p, m in zip(params, masters, strict=True):
+            m.grad = p.grad.float()
+        offload.step()
+        fp32.step()
+    assert_same(params, [m.detach().to(torch.bfloat16) for m in masters])
+
+
+def test_host_buffers_are_pinned_and_not_rounded_up():
+    params = make_params(SHAPES, device=CUDA)
+    opt = OffloadAdamW(params, chunk_size=CHUNK)
+    set_grads([params], torch.Generator().manual_seed(2))
+    opt.step()
+    stats = opt.memory_stats()
+    assert stats["pinned"]
+    assert all(b.is_pinned() for a in opt._host.arenas for b in a.buffers.values())
+    assert stats["host_bytes"] / stats["state_bytes"] <= 1.02
+
+
+def _device_tensors_in_state(opt) -> list[str]:
+    return [
+        f"{k} on {v.device}"
+        for s in opt.state.values()
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor) and v.device.type == "cuda"
+    ]
+
+
+def test_no_state_on_device_after_step_and_load_and_lightning_move():
+    from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+    params = make_params(SHAPES, device=CUDA)
+    opt = OffloadAdamW(params, chunk_size=CHUNK)
+    set_grads([params], torch.Generator().manual_seed(3))
+    opt.step()
+    assert _device_tensors_in_state(opt) == []
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True, map_location="cpu")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    resumed = OffloadAdamW(params, chunk_size=CHUNK)
+    resumed.load_state_dict(checkpoint)
+    _optimizer_to_device(resumed, CUDA)  # what Lightning does after restoring a checkpoint
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert _device_tensors_in_state(resumed) == []
+
+
+def test_peak_device_memory_is_params_grads_staging_and_slack():
+    params = make_params([(8192, 4096)] * 4, device=CUDA)  # 128M params: 512 MiB state moved
+    opt = OffloadAdamW(params, chunk_size=CHUNK)
+    set_grads([params], torch.Generator().manual_seed(4))
+    opt.step()  # first step allocates staging
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()  # params + grads + staging
+    param_bytes = sum(p.numel() * 4 for p in params)
+    staging = 2 * 2 * CHUNK * 4
+    assert baseline <= 2 * param_bytes + staging + (1 << 20)
+    opt.step()
+    torch.cuda.synchronize()
+    slack = 4 << 20  # step counts on the device and allocator rounding
+    assert torch.cuda.max_memory_allocated() <= baseline + slack
+
+
+def test_parameter_moved_to_another_device_is_refused():
+    params = make_params(device=CUDA)
+    opt = OffloadAdamW(params)
+    set_grads([params], torch.Generator().manual_seed(5))
+    opt.step()
+    params[0].data = params[0].data.cpu()
+    params[0].grad = torch.randn_like(params[0])
+    with pytest.raises(RuntimeError, match="device cpu"):
+        opt.step()
+
+
+def test_copies_overlap_the_update():
+    """The profiler shows host<->device copies running while the AdamW kernel runs."""
+    params = make_params([(8192, 4096)] * 4, device=CUDA)
+    opt = OffloadAdamW(params, chunk_size=CHUNK)
+    set_grads([params], torch.Generator().manual_seed(6))
+    opt.step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    kernels, copies = [], []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (event.time_range.start, event.time_range.end)
+        if "adam" in event.name.lower():
+            kernels.append(span)
+        elif "memcpy" in event.name.lower():
+            copies.append(span)
+    assert kernels and copies, [e.name for e in prof.events()][:20]
+    overlapping = sum(1 for c in copies if any(k[0] < c[1] and c[0] < k[1] for k in kernels))
+    assert overlapping > 0, "no copy overlapped an AdamW kernel"
