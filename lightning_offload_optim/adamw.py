@@ -117,7 +117,8 @@ class OffloadAdamW(torch.optim.AdamW):
         self.pin_memory = _resolve_pin_memory(pin_memory) if self.enabled else False
         self._host = HostState(self.pin_memory)
         self._pipeline = StagingPipeline(self.chunk_size, force_staging)
-        self.register_state_dict_post_hook(self._add_offloaded_state, prepend=True)
+        # A plain function, not a bound method: no reference cycle keeping host buffers alive.
+        self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -303,7 +304,8 @@ class OffloadAdamW(torch.optim.AdamW):
         """
         return super().state_dict()  # the offloaded state is added by _add_offloaded_state
 
-    def _add_offloaded_state(self, _: torch.optim.Optimizer, state_dict: dict) -> dict:
+    @staticmethod
+    def _add_offloaded_state(self: OffloadAdamW, state_dict: dict) -> dict:
         """state_dict post-hook (registered first): put the host state back under torch's keys."""
         if not self.enabled:
             return state_dict

@@ -104,3 +104,20 @@ def test_offloaded_state_is_a_copy():
     state = opt.offloaded_state(params[0])
     state["exp_avg"].fill_(123.0)
     assert not (opt.offloaded_state(params[0])["exp_avg"] == 123.0).any()
+
+
+def test_host_buffers_are_freed_with_the_optimizer():
+    import gc
+    import weakref
+
+    params = make_params()
+    opt = OffloadAdamW(params)
+    set_grads([params], torch.Generator().manual_seed(0))
+    opt.step()
+    arena = weakref.ref(opt._host.arenas[0])
+    gc.disable()  # freed by reference counting alone, not only by the cycle collector
+    try:
+        del opt
+        assert arena() is None
+    finally:
+        gc.enable()
