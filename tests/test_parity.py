@@ -283,3 +283,50 @@ def test_closure_runs_with_grad_and_returns_loss():
             assert torch.equal(loss, expected)
     assert_same(list(model.parameters()), list(reference.parameters()))
     assert not getattr(offload, "_step_supports_amp_scaling", False)
+
+
+def test_memory_efficient_adamw_keeps_the_original_positional_signature():
+    from lightning_offload_optim import MemoryEfficientAdamW
+
+    params = make_params()
+    reference = clone_params(params)
+    legacy = MemoryEfficientAdamW(params, 0.01, (0.8, 0.99), 1e-6, 0.2, True, False, True)
+    assert isinstance(legacy, OffloadAdamW) and isinstance(legacy, torch.optim.AdamW)
+    assert legacy.pin_memory is False and legacy.enabled
+    torch_opt = torch.optim.AdamW(reference, 0.01, (0.8, 0.99), 1e-6, 0.2, True, fused=True)
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        set_grads([params, reference], generator)
+        legacy.step()
+        torch_opt.step()
+    assert_same(params, reference)
+
+
+def test_grad_scaler_steps_without_closure_and_skips_non_finite_steps():
+    params = make_params()
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=0.01)
+    torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1) for _ in range(2)]
+    for scaler in scalers:
+        scaler.scale(torch.ones(()))  # initialises the scale, as scaling a loss would
+    generator = torch.Generator().manual_seed(8)
+    for step in range(5):
+        set_grads([params, reference], generator)
+        scale = scalers[0].get_scale()
+        for ps in (params, reference):
+            for p in ps:
+                p.grad *= scale  # as if the loss had been scaled
+            if step == 2:
+                ps[1].grad[0] = float("inf")
+        before = offload.offloaded_state(params[0])
+        for scaler, opt in zip(scalers, (offload, torch_opt), strict=True):
+            scaler.step(opt)
+            scaler.update()
+        if step == 2:  # skipped: state and parameters untouched
+            after = offload.offloaded_state(params[0])
+            assert_same(list(after.values()), list(before.values()))
+    assert_same(params, reference)
+    assert_same(
+        [offload.state[p]["step"] for p in params], [torch_opt.state[r]["step"] for r in reference]
+    )
