@@ -1,10 +1,12 @@
 """Lightning extension that keeps AdamW's optimizer state in host memory.
 
->>> from lightning_offload_optim import OffloadAdamW
+>>> from lightning_offload_optim import OffloadAdamW, OffloadMonitor, OffloadOptimizerMixin
 """
+
+__version__ = "0.1.0"
 
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.compat import MemoryEfficientAdamW
+from lightning_offload_optim.lightning import OffloadMonitor, OffloadOptimizerMixin
 
-__all__ = ["MemoryEfficientAdamW", "OffloadAdamW"]
-__version__ = "0.1.0"
+__all__ = ["MemoryEfficientAdamW", "OffloadAdamW", "OffloadMonitor", "OffloadOptimizerMixin"]

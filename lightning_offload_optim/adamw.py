@@ -29,6 +29,7 @@ from lightning_offload_optim.pipeline import (
     StagingPipeline,
     plan_chunks,
 )
+from lightning_offload_optim.step_stats import StepRecord
 
 #: Default elements per staged chunk and state key: 4 Mi elements, 16 MiB of fp32 per key.
 DEFAULT_CHUNK_SIZE = 1 << 22
@@ -420,6 +421,14 @@ class OffloadAdamW(torch.optim.AdamW):
             return {}
         self._pipeline.wait_host()
         return {key: slot.layout.unflat(slot.view(key)).clone() for key in slot.arena.keys}
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """Timing and bytes moved of the latest step; ``poll()`` or ``resolve()`` it to read.
+
+        Recorded with events, so reading it later costs the step nothing.
+        """
+        return self._pipeline.last_record
 
     def memory_stats(self) -> dict[str, int | bool]:
         """Host memory the offloaded state uses.

@@ -13,6 +13,7 @@ When the parameters live on the host (CPU training) the update runs on the host 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
 from lightning_offload_optim.host_state import MASTER_KEY, Arena, Slot
+from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, STEP, StepRecord
 from lightning_offload_optim.streams import PipelineStreams
 
 #: Key of the staging scratch that low-precision gradients are cast into.
@@ -106,6 +108,7 @@ class StagingPipeline:
         self._buffers: dict[tuple[torch.device, torch.dtype], list[dict[str, Tensor]]] = {}
         self._host_ready: dict[torch.device, torch.Event | None] = {}
         self._free: dict[tuple[torch.device, torch.dtype], list[torch.Event | None]] = {}
+        self.last_record: StepRecord | None = None
 
     def stages(self, device: torch.device) -> bool:
         return self.force_staging or device.type != "cpu"
@@ -130,36 +133,59 @@ class StagingPipeline:
                         buffer[key].record_stream(streams.copy_in)
                         buffer[key].record_stream(streams.copy_out)
 
-    def run(self, chunks: Sequence[Chunk], update: ChunkUpdate) -> None:
+    def run(self, chunks: Sequence[Chunk], update: ChunkUpdate) -> StepRecord:
         """Call ``update(chunk, views)`` for every chunk, ``views`` holding its state by key.
 
         ``views`` also holds a :data:`GRAD_KEY` scratch for chunks with a master copy. Staged
         chunks are written back to the host asynchronously; :meth:`wait_host` waits for that.
+        Returns the step's :class:`StepRecord` (also kept as :attr:`last_record`).
         """
-        for device in {chunk.arena.device for chunk in chunks if self.stages(chunk.arena.device)}:
-            # The host buffers may still be being written by the previous step's copy-out.
+        record = StepRecord()
+        started = time.perf_counter()
+        staged = {chunk.arena.device for chunk in chunks if self.stages(chunk.arena.device)}
+        begins = {}
+        for device in staged:
             streams = self._streams[device]
+            begins[device] = streams.record(streams.compute(), timing=True)
+            # The host buffers may still be being written by the previous step's copy-out.
             streams.wait(streams.copy_in, self._host_ready.get(device))
         for index, chunk in enumerate(chunks):
             kind = (chunk.arena.device, chunk.arena.dtype)
             number = index % self.num_buffers
             views = {key: buf[: chunk.numel] for key, buf in self._buffers[kind][number].items()}
-            if self.stages(chunk.arena.device):
-                self._run_staged(chunk, views, update, number)
+            if chunk.arena.device in staged:
+                self._run_staged(chunk, views, update, number, record)
             else:
                 update(chunk, views | chunk.host_views())
+        timed_on_device = False
+        for device in staged:
+            streams = self._streams[device]
+            if streams.is_async:
+                record.add_span(STEP, begins[device], streams.record(streams.copy_out, timing=True))
+                timed_on_device = True
+        if not timed_on_device:
+            record.add_seconds(STEP, time.perf_counter() - started)
+        self.last_record = record
+        return record
 
     def _run_staged(
-        self, chunk: Chunk, staged: dict[str, Tensor], update: ChunkUpdate, number: int
+        self,
+        chunk: Chunk,
+        staged: dict[str, Tensor],
+        update: ChunkUpdate,
+        number: int,
+        record: StepRecord,
     ) -> None:
         device = chunk.arena.device
         streams = self._streams[device]
         free = self._free.setdefault((device, chunk.arena.dtype), [None] * self.num_buffers)
         host = chunk.host_views()
+        nbytes = chunk.numel * chunk.arena.dtype.itemsize * len(host)
         with streams.on(streams.copy_in):
             streams.wait(streams.copy_in, free[number])  # the last copy-out from this buffer
-            for key, view in host.items():
-                staged[key].copy_(view, non_blocking=True)
+            with record.span(COPY_IN, streams, streams.copy_in):
+                for key, view in host.items():
+                    staged[key].copy_(view, non_blocking=True)
             loaded = streams.record(streams.copy_in)
         compute = streams.compute()
         streams.wait(compute, loaded)
@@ -167,9 +193,12 @@ class StagingPipeline:
         computed = streams.record(compute)
         with streams.on(streams.copy_out):
             streams.wait(streams.copy_out, computed)
-            for key, view in host.items():
-                view.copy_(staged[key], non_blocking=True)
+            with record.span(COPY_OUT, streams, streams.copy_out):
+                for key, view in host.items():
+                    view.copy_(staged[key], non_blocking=True)
             free[number] = self._host_ready[device] = streams.record(streams.copy_out)
+        record.bytes_in += nbytes
+        record.bytes_out += nbytes
 
     def wait_host(self) -> None:
         """Block until every staged chunk has been written back to the host buffers."""

@@ -44,11 +44,11 @@ class PipelineStreams:
         with self._module.stream(stream):
             yield
 
-    def record(self, stream: torch.Stream | None) -> torch.Event | None:
-        """An event marking the work queued so far on ``stream``."""
+    def record(self, stream: torch.Stream | None, timing: bool = False) -> torch.Event | None:
+        """An event marking the work queued so far on ``stream`` (timed if ``timing``)."""
         if stream is None:
             return None
-        event = self._module.Event()
+        event = self._module.Event(enable_timing=timing)
         event.record(stream)
         return event
 

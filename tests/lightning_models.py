@@ -1,0 +1,144 @@
+"""Small LightningModules that train with OffloadAdamW or with torch's AdamW, otherwise alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_offload_optim import OffloadAdamW, OffloadOptimizerMixin
+
+
+def torch_reference(args: dict[str, Any]) -> torch.optim.AdamW:
+    """torch.optim.AdamW(fused=True) with the arguments the mixin would give OffloadAdamW.
+
+    ``_step_supports_amp_scaling`` is switched off so that, under 16-mixed, GradScaler unscales
+    the gradients before the step as it does for OffloadAdamW (the fused kernel would otherwise
+    divide inside the kernel, which rounds differently).
+    """
+    args = {k: v for k, v in args.items() if k not in ("pin_memory", "enabled", "chunk_size")}
+    optimizer = torch.optim.AdamW(**args, fused=True)
+    optimizer._step_supports_amp_scaling = False
+    return optimizer
+
+
+def make_data(n: int = 16, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(
+        torch.randn(n, 8, generator=generator), torch.randn(n, 1, generator=generator)
+    )
+
+
+class TinyModel(OffloadOptimizerMixin, pl.LightningModule):
+    """A small regression MLP; ``optimizer`` is ``"offload"`` or ``"torch"``."""
+
+    def __init__(
+        self,
+        optimizer: str = "offload",
+        lr: float = 0.01,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 0,
+        lr_schedule: str | None = None,
+        nan_at_batch: int = -1,
+        force_staging: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 1)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x).float(), y)
+        if batch_idx == self.hparams.nan_at_batch:
+            loss = loss * float("inf")
+        self.log("loss", loss)
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(), batch_size=4)
+
+    def offload_optimizer_args(self) -> dict[str, Any]:
+        args = super().offload_optimizer_args()
+        if self.hparams.force_staging:
+            args.update(force_staging=True, chunk_size=64)
+        return args
+
+    def configure_optimizers(self) -> Any:
+        config = super().configure_optimizers()
+        if self.hparams.optimizer == "offload":
+            return config
+        reference = torch_reference(self.offload_optimizer_args())
+        if isinstance(config, dict):  # the same schedule, on the reference optimizer
+            scheduler = config["lr_scheduler"]["scheduler"]
+            config["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(
+                reference, scheduler.lr_lambdas[0]
+            )
+            config["optimizer"] = reference
+            return config
+        return reference
+
+
+class ManualModel(TinyModel):
+    """Manual optimization, one optimizer, with clipping done by hand."""
+
+    def __init__(self, optimizer: str = "offload") -> None:
+        super().__init__(optimizer)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+class TwoOptimizerModel(TinyModel):
+    """GAN-style: two optimizers over two halves of the network, stepped alternately."""
+
+    def __init__(self, optimizer: str = "offload") -> None:
+        super().__init__(optimizer)
+        self.automatic_optimization = False
+        self.other = torch.nn.Linear(8, 8)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        first, second = self.optimizers()
+        x, y = batch
+        loss_first = torch.nn.functional.mse_loss(self.net(self.other(x).detach()), y)
+        first.zero_grad()
+        self.manual_backward(loss_first)
+        first.step()
+        loss_second = self.other(x).pow(2).mean() - self.net(self.other(x)).mean()
+        second.zero_grad()
+        self.manual_backward(loss_second)
+        second.step()
+
+    def configure_optimizers(self) -> Any:
+        groups = [self.net.parameters(), self.other.parameters()]
+        if self.hparams.optimizer == "offload":
+            return [OffloadAdamW(g, lr=0.01, weight_decay=0.1) for g in groups]
+        return [torch_reference({"params": g, "lr": 0.01, "weight_decay": 0.1}) for g in groups]
+
+
+def trainer(tmp_path, **kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 6,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp_path,
+    }
+    return pl.Trainer(**{**defaults, **kwargs})

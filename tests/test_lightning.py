@@ -1,0 +1,183 @@
+"""The Lightning integration against torch.optim.AdamW under the same Trainer settings."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import assert_same
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning_models import ManualModel, TinyModel, TwoOptimizerModel, trainer
+
+from lightning_offload_optim import OffloadAdamW, OffloadOptimizerMixin
+
+
+def fit(tmp_path, model_cls=TinyModel, model_kwargs=None, **trainer_kwargs: Any):
+    """Train the offload and the torch variant alike; return both fitted modules."""
+    models = []
+    for optimizer in ("offload", "torch"):
+        model = model_cls(optimizer=optimizer, **(model_kwargs or {}))
+        # A fresh copy per run: a precision plugin holds a GradScaler whose scale evolves.
+        trainer(tmp_path / optimizer, **copy.deepcopy(trainer_kwargs)).fit(model)
+        models.append(model)
+    return models
+
+
+SETTINGS = {
+    "32-true": {},
+    "bf16-mixed": {"precision": "bf16-mixed"},
+    # On the CPU "16-mixed" silently means bf16; the plugin forces fp16 autocast and GradScaler.
+    "16-mixed": {"plugins": [MixedPrecision("16-mixed", "cpu")]},
+    "clip-norm": {"gradient_clip_val": 0.05},
+    "clip-value": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+    "accumulate": {"accumulate_grad_batches": 3, "max_steps": 3},
+    "accumulate-clip-bf16": {
+        "accumulate_grad_batches": 2,
+        "gradient_clip_val": 0.05,
+        "precision": "bf16-mixed",
+    },
+}
+
+
+@pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
+def test_bit_identical_to_torch_adamw(tmp_path, settings):
+    offload, reference = fit(tmp_path, **settings)
+    assert isinstance(offload.trainer.optimizers[0], OffloadAdamW)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+    steps = offload.trainer.optimizers[0].state_dict()["state"][0]["step"]
+    assert steps == reference.trainer.optimizers[0].state_dict()["state"][0]["step"]
+
+
+def test_16_mixed_skips_non_finite_steps_like_torch(tmp_path):
+    offload, reference = fit(
+        tmp_path,
+        model_kwargs={"nan_at_batch": 2},
+        plugins=[MixedPrecision("16-mixed", "cpu")],
+        max_epochs=1,
+        max_steps=-1,
+    )
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+    step = offload.trainer.optimizers[0].state_dict()["state"][0]["step"]
+    # 4 batches: the first overflows fp16 at GradScaler's initial scale, the third is infinite.
+    assert step == 2
+    assert offload.trainer.precision_plugin.scaler.get_scale() == 65536.0 / 4
+    assert step == reference.trainer.optimizers[0].state_dict()["state"][0]["step"]
+
+
+def test_bf16_true_keeps_fp32_state_and_stays_close_to_torch(tmp_path):
+    offload, reference = fit(tmp_path, precision="bf16-true")
+    opt = offload.trainer.optimizers[0]
+    weight = offload.net[0].weight
+    assert weight.dtype == torch.bfloat16
+    state = opt.offloaded_state(weight)
+    assert {v.dtype for v in state.values()} == {torch.float32}
+    assert_same([state["master_param"].to(torch.bfloat16)], [weight])
+    for p, r in zip(offload.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=2e-2, atol=2e-2)
+
+
+def test_manual_optimization(tmp_path):
+    offload, reference = fit(tmp_path, ManualModel)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+
+
+def test_two_offloaded_optimizers(tmp_path):
+    offload, reference = fit(tmp_path, TwoOptimizerModel)
+    assert all(isinstance(o, OffloadAdamW) for o in offload.trainer.optimizers)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+
+
+def test_warmup_cosine_schedule_from_hparams(tmp_path):
+    kwargs = {"warmup_steps": 2, "lr_schedule": "cosine"}
+    offload, reference = fit(tmp_path, model_kwargs=kwargs, max_steps=8)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+    lrs = offload.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
+    assert lrs[0] == pytest.approx(0.0)  # cosine reached its end (min_lr_ratio 0) at step 8
+
+
+class StepLRModel(TinyModel):
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 2},
+        }
+
+
+def test_lightning_scheduler_config_with_torch_scheduler(tmp_path):
+    offload, reference = fit(tmp_path, StepLRModel)
+    assert offload.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 / 8)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+
+
+# ----------------------------------------------------------------------------- the mixin
+def test_mixin_zero_configuration():
+    class Plain(OffloadOptimizerMixin, pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.norm = torch.nn.LayerNorm(4)
+            self.frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+
+    model = Plain()
+    optimizer = model.configure_optimizers()
+    assert isinstance(optimizer, OffloadAdamW)
+    decay, no_decay = optimizer.param_groups
+    assert decay["params"] == [model.linear.weight]
+    assert decay["weight_decay"] == 1e-2 and decay["lr"] == 1e-3
+    assert no_decay["params"] == [model.linear.bias, model.norm.weight, model.norm.bias]
+    assert no_decay["weight_decay"] == 0.0
+
+
+def test_mixin_reads_hparams_and_can_decay_everything():
+    class Tuned(OffloadOptimizerMixin, pl.LightningModule):
+        def __init__(self, learning_rate=0.3, beta1=0.8, weight_decay=0.5, amsgrad=True):
+            super().__init__()
+            self.save_hyperparameters()
+            self.save_hyperparameters({"no_decay_norm_and_bias": False})
+            self.linear = torch.nn.Linear(4, 4)
+
+    optimizer = Tuned().configure_optimizers()
+    (group,) = optimizer.param_groups
+    assert group["lr"] == 0.3 and group["betas"] == (0.8, 0.999)
+    assert group["weight_decay"] == 0.5 and group["amsgrad"] is True
+
+
+def test_mixin_after_lightning_module_is_refused():
+    with pytest.raises(TypeError, match="put OffloadOptimizerMixin before LightningModule"):
+
+        class Wrong(pl.LightningModule, OffloadOptimizerMixin):
+            pass
+
+
+def test_mixin_rejects_an_unknown_schedule():
+    model = TinyModel(lr_schedule="linear")
+    with pytest.raises(ValueError, match="lr_schedule must be None, 'constant' or 'cosine'"):
+        model.configure_optimizers()
+
+
+def test_lightning_cli_sets_hyperparameters(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(
+        TinyModel,
+        args=[
+            "fit",
+            "--model.lr=0.05",
+            "--model.weight_decay=0.2",
+            "--model.warmup_steps=2",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=3",
+            "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.accelerator=cpu",
+        ],
+    )
+    optimizer = cli.trainer.optimizers[0]
+    assert isinstance(optimizer, OffloadAdamW)
+    assert optimizer.param_groups[0]["weight_decay"] == 0.2
+    assert optimizer.param_groups[0]["initial_lr"] == 0.05
