@@ -1,0 +1,32 @@
+"""strategy="ddp" with 2 CPU processes over gloo, against torch AdamW in the same setting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import assert_same
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_ddp_two_processes_match_torch_adamw(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
+    done = subprocess.run(
+        [sys.executable, str(HERE / "ddp_fit.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for result in ranks:
+        assert_same(result["offload"]["params"], result["torch"]["params"])
+        assert_same(result["offload"]["resumed"], result["torch"]["resumed"])
+        assert result["offload"]["steps"] == 4
+    # DDP keeps the replicas identical.
+    assert_same(ranks[0]["offload"]["params"], ranks[1]["offload"]["params"])

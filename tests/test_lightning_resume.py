@@ -1,0 +1,111 @@
+"""trainer.fit(ckpt_path=...) with OffloadAdamW against torch AdamW doing the same save/resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_same
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_models import TinyModel, trainer
+
+from lightning_offload_optim import OffloadMonitor
+from lightning_offload_optim.lightning.checkpoint import CHECKPOINT_KEY, FORMAT_VERSION
+
+TOTAL_STEPS = 8  # two epochs of four batches
+
+
+def checkpoints(tmp_path: Path, optimizer: str, every: int, **model_kwargs) -> Path:
+    """Train TOTAL_STEPS steps, saving a checkpoint every ``every`` steps; return their folder."""
+    folder = tmp_path / f"ckpt-{optimizer}"
+    saver = ModelCheckpoint(folder, "{step}", every_n_train_steps=every, save_top_k=-1)
+    trainer(tmp_path, max_steps=TOTAL_STEPS, callbacks=[saver], enable_checkpointing=True).fit(
+        TinyModel(optimizer=optimizer, **model_kwargs)
+    )
+    return folder
+
+
+def resume(tmp_path: Path, optimizer: str, ckpt: Path, callbacks=(), **model_kwargs) -> TinyModel:
+    model = TinyModel(optimizer=optimizer, **model_kwargs)
+    trainer(tmp_path, max_steps=TOTAL_STEPS, callbacks=list(callbacks)).fit(model, ckpt_path=ckpt)
+    return model
+
+
+@pytest.mark.parametrize("at", [4, 2], ids=["epoch-boundary", "mid-epoch"])
+@pytest.mark.parametrize(
+    ("before", "after"), [("offload", "offload"), ("torch", "offload")], ids=["offload", "torch"]
+)
+def test_resume_bit_identical_to_torch_doing_the_same(tmp_path, at, before, after):
+    kwargs = {"warmup_steps": 2, "lr_schedule": "cosine"}
+    resumed = resume(
+        tmp_path / "a",
+        after,
+        checkpoints(tmp_path / "a", before, at, **kwargs) / f"step={at}.ckpt",
+        **kwargs,
+    )
+    reference = resume(
+        tmp_path / "b",
+        "torch",
+        checkpoints(tmp_path / "b", "torch", at, **kwargs) / f"step={at}.ckpt",
+        **kwargs,
+    )
+    assert_same(list(resumed.parameters()), list(reference.parameters()))
+    opt = resumed.trainer.optimizers[0]
+    # Restored into host memory: Lightning's move of optimizer.state found only step counts.
+    assert all(set(s) == {"step"} for s in opt.state.values())
+    assert opt.state_dict()["state"][0]["step"] == TOTAL_STEPS
+
+
+def test_offload_checkpoint_resumes_with_torch_adamw(tmp_path):
+    """Switching offloading off for a running job. torch's load takes ``fused=None`` from the
+    checkpoint's param groups, so torch then runs its default implementation: close, not equal."""
+    folder = checkpoints(tmp_path, "offload", 4)
+    resumed = resume(tmp_path, "torch", folder / "step=4.ckpt")
+    reference = resume(
+        tmp_path / "ref", "torch", checkpoints(tmp_path / "ref", "torch", 4) / "step=4.ckpt"
+    )
+    assert isinstance(resumed.trainer.optimizers[0], torch.optim.AdamW)
+    for p, r in zip(resumed.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+
+
+def test_checkpoint_records_metadata_and_refuses_a_future_format(tmp_path):
+    ckpt = checkpoints(tmp_path, "offload", 4) / "step=4.ckpt"
+    saved = torch.load(ckpt, weights_only=False)
+    metadata = saved[CHECKPOINT_KEY]
+    assert metadata["format_version"] == FORMAT_VERSION
+    assert metadata["optimizers"] == [
+        {"index": 0, "enabled": True, "chunk_size": 1 << 22, "pin_memory": False}
+    ]
+    saved[CHECKPOINT_KEY]["format_version"] = FORMAT_VERSION + 1
+    future = tmp_path / "future.ckpt"
+    torch.save(saved, future)
+    with pytest.raises(RuntimeError, match=f"format version {FORMAT_VERSION + 1}.*Upgrade"):
+        resume(tmp_path / "future", "offload", future)
+
+
+def test_plain_lightning_checkpoint_without_metadata_loads(tmp_path):
+    ckpt = checkpoints(tmp_path, "offload", 4) / "step=4.ckpt"
+    saved = torch.load(ckpt, weights_only=False)
+    del saved[CHECKPOINT_KEY]
+    plain = tmp_path / "plain.ckpt"
+    torch.save(saved, plain)
+    resumed = resume(tmp_path / "plain", "offload", plain)
+    reference = resume(tmp_path / "ref", "offload", ckpt)
+    assert_same(list(resumed.parameters()), list(reference.parameters()))
+
+
+def test_monitor_counters_continue_after_resume(tmp_path):
+    folder = tmp_path / "ckpt"
+    monitor = OffloadMonitor(summary=False)
+    saver = ModelCheckpoint(folder, "{step}", every_n_train_steps=4, save_top_k=-1)
+    trainer(tmp_path, max_steps=4, callbacks=[monitor, saver], enable_checkpointing=True).fit(
+        TinyModel(force_staging=True)
+    )
+    moved = monitor.totals["bytes_in"]
+    assert monitor.totals["steps"] == 4 and moved > 0
+    resumed_monitor = OffloadMonitor(summary=False)
+    resume(tmp_path / "b", "offload", folder / "step=4.ckpt", [resumed_monitor], force_staging=True)
+    assert resumed_monitor.totals["steps"] == TOTAL_STEPS
+    assert resumed_monitor.totals["bytes_in"] == 2 * moved
