@@ -185,14 +185,18 @@ class OffloadMonitor(Callback):
         t = self.totals
         steps = max(1.0, t["steps"])
         saved = sum(opt.memory_stats()["state_bytes"] for opt in self._optimizers)
-        return (
+        head = (
             f"OffloadMonitor: {saved / 2**30:.2f} GiB of optimizer state kept in host memory "
-            f"over {int(t['steps'])} optimizer steps.\n"
-            f"  host->device {1000 * t['copy_in_seconds'] / steps:.1f} ms/step "
+            f"over {int(t['steps'])} optimizer steps; optimizer step "
+            f"{1000 * t['step_seconds'] / steps:.1f} ms/step."
+        )
+        if t["bytes_in"] == 0:
+            return head + "\n  No copies: parameters and state share host memory (CPU training)."
+        return head + (
+            f"\n  host->device {1000 * t['copy_in_seconds'] / steps:.1f} ms/step "
             f"({_rate(t['bytes_in'], t['copy_in_seconds']):.1f} GB/s), "
             f"device->host {1000 * t['copy_out_seconds'] / steps:.1f} ms/step "
-            f"({_rate(t['bytes_out'], t['copy_out_seconds']):.1f} GB/s), "
-            f"optimizer step {1000 * t['step_seconds'] / steps:.1f} ms/step."
+            f"({_rate(t['bytes_out'], t['copy_out_seconds']):.1f} GB/s)."
         )
 
     def state_dict(self) -> dict[str, Any]:
