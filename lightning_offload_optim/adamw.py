@@ -65,6 +65,29 @@ def _describe(group: int, position: int) -> str:
     return f"parameter {position} of param group {group}"
 
 
+def _check_gradient(param: Tensor, group: int, position: int) -> None:
+    """Refuse what the fused kernel cannot take, before anything is modified."""
+    grad = param.grad
+    assert grad is not None
+    where = _describe(group, position)
+    if grad.is_sparse:
+        raise RuntimeError(
+            f"OffloadAdamW does not support sparse gradients ({where}); use "
+            "torch.optim.SparseAdam for sparse embeddings"
+        )
+    if type(param).__name__ == "DTensor" or type(grad).__name__ == "DTensor":
+        raise RuntimeError(
+            f"OffloadAdamW does not support DTensor parameters yet ({where}): FSDP2 and "
+            "ModelParallel shard parameters as DTensors"
+        )
+    if (grad.dtype, grad.device, grad.shape) != (param.dtype, param.device, param.shape):
+        raise RuntimeError(
+            f"the gradient of {where} is {grad.dtype} of shape {tuple(grad.shape)} on "
+            f"{grad.device}, the parameter {param.dtype} of shape {tuple(param.shape)} on "
+            f"{param.device}; they must match"
+        )
+
+
 class OffloadAdamW(torch.optim.AdamW):
     """AdamW whose state (moments, and an fp32 master copy of bf16/fp16 params) lives in host RAM.
 
@@ -118,6 +141,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self.pin_memory = _resolve_pin_memory(pin_memory) if self.enabled else False
         self._host = HostState(self.pin_memory)
         self._pipeline = StagingPipeline(self.chunk_size, force_staging)
+        self._plans: dict[tuple[int, ...], list[Chunk]] = {}
         # A plain function, not a bound method: no reference cycle keeping host buffers alive.
         self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
 
@@ -140,7 +164,7 @@ class OffloadAdamW(torch.optim.AdamW):
         active = self._collect_active()
         if not active:
             return loss
-        chunks = plan_chunks([a.slot for a in active], self.chunk_size)
+        chunks = self._plan(active)
         self._pipeline.prepare(chunks)
         self._initialise_new_state(active)
         steps = [a.step for a in active]
@@ -159,14 +183,9 @@ class OffloadAdamW(torch.optim.AdamW):
         new: list[tuple[Tensor, tuple[str, ...]]] = []
         for g, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
-                grad = param.grad
-                if grad is None:
+                if param.grad is None:
                     continue
-                if grad.is_sparse:
-                    raise RuntimeError(
-                        f"OffloadAdamW does not support sparse gradients ({_describe(g, position)}"
-                        "); use torch.optim.SparseAdam for sparse embeddings"
-                    )
+                _check_gradient(param, g, position)
                 slot = self._host.slots.get(param)
                 keys = state_keys(param, group["amsgrad"])
                 if slot is None:
@@ -181,21 +200,22 @@ class OffloadAdamW(torch.optim.AdamW):
                 found.append((param, g))
         if new:
             self._host.allocate(new)
+            self._plans.clear()
         active = []
         for param, g in found:
             slot = self._host.slots[param]
-            step = self.state[param].get("step") if self.state.get(param) else None
-            active.append(
-                _Active(
-                    param,
-                    slot,
-                    g,
-                    slot.layout.flat(param),
-                    slot.layout.flat(param.grad),
-                    step if step is not None else torch.tensor(0.0),
-                )
-            )
+            state = self.state.get(param)
+            step = state["step"] if state else torch.zeros((), dtype=torch.float32)
+            flat_grad = slot.layout.flat(param.grad)
+            active.append(_Active(param, slot, g, slot.flat_param(param), flat_grad, step))
         return active
+
+    def _plan(self, active: list[_Active]) -> list[Chunk]:
+        """The chunk plan for this set of active parameters (cached: usually the same each step)."""
+        key = tuple(id(a.slot) for a in active)
+        if key not in self._plans:
+            self._plans[key] = plan_chunks([a.slot for a in active], self.chunk_size)
+        return self._plans[key]
 
     def _check_unchanged(
         self,
@@ -226,20 +246,19 @@ class OffloadAdamW(torch.optim.AdamW):
             )
 
     def _initialise_new_state(self, active: list[_Active]) -> None:
-        """Zero the moments of parameters stepping for the first time; fill pending masters."""
+        """Zero the moments of parameters stepping for the first time; their master copy (bf16
+        and fp16 parameters) starts as the parameter itself."""
         fresh = [a for a in active if not self.state.get(a.param)]
-        pending = [a for a in active if MASTER_KEY in a.slot.arena.keys and not a.slot.master_ready]
-        if not fresh and not pending:
+        if not fresh:
             return
-        self._pipeline.wait_host()
+        self._pipeline.wait_host()  # a slot reused after optimizer.state was cleared
         for a in fresh:
             for key in a.slot.arena.keys:
-                if key != MASTER_KEY:
+                if key == MASTER_KEY:
+                    a.slot.view(key).copy_(a.flat_param)
+                else:
                     a.slot.view(key).zero_()
             self.state[a.param]["step"] = a.step
-        for a in pending:
-            a.slot.view(MASTER_KEY).copy_(a.flat_param)
-            a.slot.master_ready = True
 
     @staticmethod
     def _steps_on_devices(active: list[_Active]) -> list[Tensor]:
@@ -248,7 +267,10 @@ class OffloadAdamW(torch.optim.AdamW):
         devices = {a.param.device for a in active}
         if devices == {torch.device("cpu")}:
             return on_host
-        copies = {d: torch.stack(on_host).to(d, non_blocking=True) for d in devices}
+        stacked = torch.stack(on_host)
+        if torch.cuda.is_available():  # pinned, so the copy does not wait for the device
+            stacked = stacked.pin_memory()
+        copies = {d: stacked.to(d, non_blocking=True) for d in devices}
         return [copies[a.param.device][i] for i, a in enumerate(active)]
 
     def _update_chunk(
@@ -273,7 +295,8 @@ class OffloadAdamW(torch.optim.AdamW):
         for g, lists in calls.items():
             group = self.param_groups[g]
             targets, grads = lists.params, lists.grads
-            if MASTER_KEY in views:  # bf16/fp16 params: update the fp32 master, then round
+            with_master = MASTER_KEY in chunk.arena.keys
+            if with_master:  # bf16/fp16 params: update the fp32 master, then round
                 targets = [views[MASTER_KEY][s] for s in lists.state]
                 grads = [views[GRAD_KEY][s] for s in lists.state]
                 torch._foreach_copy_(grads, lists.grads)
@@ -293,7 +316,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 amsgrad=group["amsgrad"],
                 maximize=group["maximize"],
             )
-            if MASTER_KEY in views:
+            if with_master:
                 torch._foreach_copy_(lists.params, targets)
 
     # ------------------------------------------------------------ checkpoints
@@ -331,14 +354,15 @@ class OffloadAdamW(torch.optim.AdamW):
             super().load_state_dict(state_dict)
             return
         matched = self._match_loaded(state_dict)
+        self._pipeline.wait_host()  # the entries may be views of this optimizer's own buffers
         host = HostState(self.pin_memory)
         host.allocate([(param, state_keys(param, amsgrad)) for param, _, amsgrad in matched])
         for param, entry, _ in matched:
             slot = host.slots[param]
             for key in slot.arena.keys:
-                if key in entry:
-                    slot.view(key).copy_(slot.layout.flat(entry[key]))
-            slot.master_ready = MASTER_KEY in entry
+                source = entry.get(key, param.detach() if key == MASTER_KEY else None)
+                if source is not None:  # a torch AdamW checkpoint has no master copy
+                    slot.view(key).copy_(slot.layout.flat(source))
         offloaded = (*MOMENT_KEYS, MASTER_KEY)
         stripped = {
             "state": {
@@ -347,9 +371,9 @@ class OffloadAdamW(torch.optim.AdamW):
             },
             "param_groups": state_dict["param_groups"],
         }
-        self._pipeline.wait_host()
         super().load_state_dict(stripped)
         self._host = host
+        self._plans.clear()
         for state in self.state.values():  # a fused or capturable AdamW saves steps on its device
             state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device="cpu")
 

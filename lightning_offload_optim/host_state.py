@@ -52,6 +52,10 @@ class ParamLayout:
     numel: int  # real elements: twice the parameter's numel for complex parameters
     order: tuple[int, ...]  # dims of the real view sorted from outermost to innermost in memory
 
+    @property
+    def permuted(self) -> bool:
+        return self.order != tuple(range(len(self.order)))
+
     @classmethod
     def of(cls, param: Tensor) -> ParamLayout:
         real = torch.view_as_real(param) if param.is_complex() else param
@@ -66,8 +70,9 @@ class ParamLayout:
     def flat(self, tensor: Tensor) -> Tensor:
         """A flat real view of a tensor laid out like the parameter (a copy if it is not)."""
         real = torch.view_as_real(tensor) if tensor.is_complex() else tensor
-        ordered = real.permute(self.order)
-        return ordered.reshape(-1)
+        if not self.permuted:
+            return real.reshape(-1)
+        return real.permute(self.order).reshape(-1)
 
     def unflat(self, flat: Tensor) -> Tensor:
         """The inverse of :meth:`flat`: a view of ``flat`` shaped and strided like the param."""
@@ -81,21 +86,36 @@ class ParamLayout:
         return f"shape {tuple(self.shape)}, dtype {self.dtype}, device {self.device}"
 
 
-def _register_pinned(buffer: Tensor) -> bool:
-    """Page-lock an ordinary CUDA-visible host allocation in place; False if that failed."""
+def _register_pinned(buffer: Tensor, device: torch.device) -> None:
+    """Page-lock an ordinary host allocation in place, for every CUDA context (portable)."""
     cudart = torch.cuda.cudart()
     nbytes = buffer.numel() * buffer.element_size()
-    return int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)) == 0
+    with torch.cuda.device(device):
+        error = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 1))  # Portable
+    if error != 0:
+        raise RuntimeError(
+            f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the optimizer state "
+            f"(cudaHostRegister error {error}); the locked-memory limit (ulimit -l) may be too "
+            "low. Pass pin_memory=False to keep the state in pageable memory (slower copies)."
+        )
 
 
-def _unregister_pinned(pointers: list[int]) -> None:
+def _release_pinned(pointers: list[int], in_flight: list[torch.Event | None]) -> None:
+    """Finalizer: wait for the last copy into the buffers, then unregister them."""
+    if in_flight[0] is not None:
+        in_flight[0].synchronize()
     cudart = torch.cuda.cudart()
     for pointer in pointers:
         cudart.cudaHostUnregister(pointer)
 
 
 class Arena:
-    """Host buffers, one per state key, for parameters laid out one after another."""
+    """Host buffers, one per state key, for parameters laid out one after another.
+
+    Buffers of parameters on an accelerator are pinned when ``pin`` (those of CPU parameters
+    never are: nothing is copied). Copies still writing into them when the arena is dropped are
+    waited for before the memory is unpinned and freed.
+    """
 
     def __init__(
         self,
@@ -112,51 +132,50 @@ class Arena:
         for layout in layouts:
             self.offsets.append(self.numel)
             self.numel += layout.numel
-        self.buffers: dict[str, Tensor] = {}
+        self.pinned = pin and self.device.type != "cpu"
+        self._in_flight: list[torch.Event | None] = [None]
         registered: list[int] = []
-        pinned_by = []
+        if self.pinned and self.device.type == "cuda" and self.numel:
+            weakref.finalize(self, _release_pinned, registered, self._in_flight)
+        self.buffers: dict[str, Tensor] = {}
         for key in keys:
-            self.buffers[key], how = _host_empty(self.numel, dtype, pin)
-            pinned_by.append(how)
-            if how == "registered" and self.numel:
+            if not self.pinned or self.numel == 0:
+                self.buffers[key] = torch.empty(self.numel, dtype=dtype)
+            elif self.device.type == "cuda":
+                self.buffers[key] = torch.empty(self.numel, dtype=dtype)
+                _register_pinned(self.buffers[key], self.device)
                 registered.append(self.buffers[key].data_ptr())
-        self.pinned = all(how is not None for how in pinned_by)
-        if registered:
-            weakref.finalize(self, _unregister_pinned, registered)
+            else:  # other accelerators: torch's pinned allocator (rounds sizes up)
+                self.buffers[key] = torch.empty(self.numel, dtype=dtype, pin_memory=True)
+
+    def written_by(self, event: torch.Event | None) -> None:
+        """Note the copy that last writes into the buffers (waited for before they are freed)."""
+        self._in_flight[0] = event
 
     @property
     def allocated_bytes(self) -> int:
         return sum(b.untyped_storage().nbytes() for b in self.buffers.values())
 
 
-def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> tuple[Tensor, str | None]:
-    """An uninitialised host buffer, pinned if asked: ``(buffer, how it was pinned or None)``."""
-    if not pin:
-        return torch.empty(numel, dtype=dtype), None
-    if torch.cuda.is_available():
-        buffer = torch.empty(numel, dtype=dtype)
-        if numel == 0 or _register_pinned(buffer):
-            return buffer, "registered"
-    # Other accelerators, or registration refused: torch's pinned allocator (rounds up).
-    return torch.empty(numel, dtype=dtype, pin_memory=True), "allocator"
-
-
 @dataclass
 class Slot:
-    """Where one parameter's state lives: an arena and an offset into its buffers.
-
-    ``master_ready`` is False until the master copy holds the parameter's value (set at the
-    first step, or by a checkpoint that carried it).
-    """
+    """Where one parameter's state lives: an arena and an offset into its buffers."""
 
     arena: Arena
     offset: int
     layout: ParamLayout
-    master_ready: bool = False
+    _flat_param: tuple[int, Tensor] | None = None
 
     def view(self, key: str) -> Tensor:
         """The flat host slice holding ``key`` for this parameter."""
         return self.arena.buffers[key][self.offset : self.offset + self.layout.numel]
+
+    def flat_param(self, param: Tensor) -> Tensor:
+        """A flat real view of ``param`` (cached while its storage stays the same)."""
+        pointer = param.data_ptr()
+        if self._flat_param is None or self._flat_param[0] != pointer:
+            self._flat_param = (pointer, self.layout.flat(param))
+        return self._flat_param[1]
 
 
 class HostState:

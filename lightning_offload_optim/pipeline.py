@@ -114,24 +114,35 @@ class StagingPipeline:
         return self.force_staging or device.type != "cpu"
 
     def prepare(self, chunks: Sequence[Chunk]) -> None:
-        """Allocate every buffer the chunks need, before anything is mutated."""
-        needed: dict[tuple[torch.device, torch.dtype], set[str]] = {}
+        """Allocate every buffer the chunks need, before anything is mutated.
+
+        Buffers hold the largest chunk (at most ``chunk_numel``), so a small model does not
+        reserve full-size staging.
+        """
+        needed: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
         for chunk in chunks:
-            keys = set(chunk.arena.keys) if self.stages(chunk.arena.device) else set()
-            if MASTER_KEY in chunk.arena.keys:
-                keys.add(GRAD_KEY)
-            needed.setdefault((chunk.arena.device, chunk.arena.dtype), set()).update(keys)
-        for (device, dtype), keys in needed.items():
+            sizes = needed.setdefault((chunk.arena.device, chunk.arena.dtype), {})
+            for key in self._staged_keys(chunk):
+                sizes[key] = max(sizes.get(key, 0), chunk.numel)
+        for (device, dtype), sizes in needed.items():
             streams = self._streams_for(device)
             buffers = self._buffers.setdefault(
                 (device, dtype), [{} for _ in range(self.num_buffers)]
             )
             for buffer in buffers:
-                for key in keys - buffer.keys():
-                    buffer[key] = torch.empty(self.chunk_numel, dtype=dtype, device=device)
+                for key, numel in sizes.items():
+                    if key in buffer and buffer[key].numel() >= numel:
+                        continue
+                    buffer[key] = torch.empty(numel, dtype=dtype, device=device)
                     if streams.is_async:  # used on the copy streams: not reused until they are done
                         buffer[key].record_stream(streams.copy_in)
                         buffer[key].record_stream(streams.copy_out)
+
+    def _staged_keys(self, chunk: Chunk) -> tuple[str, ...]:
+        """The buffers a chunk needs: its state keys when staged, and a gradient scratch when
+        the update runs on an fp32 master copy."""
+        keys = chunk.arena.keys if self.stages(chunk.arena.device) else ()
+        return (*keys, GRAD_KEY) if MASTER_KEY in chunk.arena.keys else keys
 
     def run(self, chunks: Sequence[Chunk], update: ChunkUpdate) -> StepRecord:
         """Call ``update(chunk, views)`` for every chunk, ``views`` holding its state by key.
@@ -146,13 +157,17 @@ class StagingPipeline:
         begins = {}
         for device in staged:
             streams = self._streams[device]
-            begins[device] = streams.record(streams.compute(), timing=True)
-            # The host buffers may still be being written by the previous step's copy-out.
+            compute = streams.compute()
+            begins[device] = streams.record(compute, timing=True)
+            # Staging memory may have been in use on the compute stream just before (freshly
+            # allocated), and the host buffers may still be written by the last copy-out.
+            streams.wait(streams.copy_in, streams.record(compute))
             streams.wait(streams.copy_in, self._host_ready.get(device))
         for index, chunk in enumerate(chunks):
             kind = (chunk.arena.device, chunk.arena.dtype)
             number = index % self.num_buffers
-            views = {key: buf[: chunk.numel] for key, buf in self._buffers[kind][number].items()}
+            buffer = self._buffers[kind][number]
+            views = {key: buffer[key][: chunk.numel] for key in self._staged_keys(chunk)}
             if chunk.arena.device in staged:
                 self._run_staged(chunk, views, update, number, record)
             else:
@@ -197,6 +212,7 @@ class StagingPipeline:
                 for key, view in host.items():
                     view.copy_(staged[key], non_blocking=True)
             free[number] = self._host_ready[device] = streams.record(streams.copy_out)
+            chunk.arena.written_by(free[number])
         record.bytes_in += nbytes
         record.bytes_out += nbytes
 

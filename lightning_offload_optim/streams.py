@@ -23,11 +23,12 @@ class PipelineStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.is_async = device.type != "cpu"
+        module = torch.get_device_module(device) if device.type != "cpu" else None
+        # Devices whose module has no streams (MPS) run the pipeline in program order.
+        self.is_async = module is not None and hasattr(module, "Stream")
         self.copy_in: torch.Stream | None = None
         self.copy_out: torch.Stream | None = None
         if self.is_async:
-            module = torch.get_device_module(device)
             self._module = module
             self.copy_in = module.Stream(device)
             self.copy_out = module.Stream(device)

@@ -183,3 +183,35 @@ def test_pin_memory_without_accelerator_warns_and_falls_back():
     set_grads([params], torch.Generator().manual_seed(0))
     opt.step()
     assert opt.memory_stats()["pinned"] is False
+
+
+def test_gradient_of_another_dtype_is_refused_before_any_update():
+    opt, params = trained()
+    before = snapshot(opt, params)
+    params[2].grad_dtype = None  # torch lets a gradient's dtype differ once this is cleared
+    params[2].grad = params[2].grad.double()
+    with pytest.raises(
+        RuntimeError, match=r"gradient of parameter 2 of param group 0 is torch\.float64"
+    ):
+        opt.step()
+    assert_unchanged(opt, params, before)
+
+
+def test_dtensor_parameters_are_refused_clearly(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/rendezvous"
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        param = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+        param.grad = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+        opt = OffloadAdamW([param])
+        with pytest.raises(RuntimeError, match="does not support DTensor parameters yet"):
+            opt.step()
+        assert not opt.state
+    finally:
+        dist.destroy_process_group()

@@ -330,3 +330,37 @@ def test_grad_scaler_steps_without_closure_and_skips_non_finite_steps():
     assert_same(
         [offload.state[p]["step"] for p in params], [torch_opt.state[r]["step"] for r in reference]
     )
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_fp32_and_bf16_parameters_in_one_optimizer(mode):
+    """Two arenas share the staging buffers of one device; each chunk uses only its own keys."""
+    fp32 = make_params([(300, 7), (1000,)])
+    bf16 = make_params([(40, 30), (17,)], dtype=torch.bfloat16, seed=1)
+    fp32_reference = clone_params(fp32)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in bf16]
+    offload = OffloadAdamW([*fp32, *bf16], lr=0.01, **mode)
+    torch_fp32 = torch.optim.AdamW(fp32_reference, lr=0.01, fused=True)
+    torch_masters = torch.optim.AdamW(masters, lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(9)
+    for _ in range(4):
+        set_grads([fp32, fp32_reference], generator)
+        set_grads([bf16], generator)
+        for p, m in zip(bf16, masters, strict=True):
+            m.grad = p.grad.float()
+        for opt in (offload, torch_fp32, torch_masters):
+            opt.step()
+    assert_same(fp32, fp32_reference)
+    assert_same(bf16, [m.detach().to(torch.bfloat16) for m in masters])
+
+
+def test_step_counts_are_float32_whatever_the_default_dtype():
+    """The CUDA fused kernel reads step counts as float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        params, reference, offload, _ = run_side_by_side({}, MODES["direct"], steps=2)
+    finally:
+        torch.set_default_dtype(previous)
+    assert all(offload.state[p]["step"].dtype == torch.float32 for p in params)
+    assert_same(params, reference)

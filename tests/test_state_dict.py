@@ -210,3 +210,13 @@ def test_state_dict_waits_for_staged_writes_and_survives_later_steps_as_torch_do
         offload.step()
         torch_opt.step()
     assert_same(params, reference)
+
+
+def test_master_copy_is_filled_when_loading_a_checkpoint_without_one():
+    params = make_params(dtype=torch.bfloat16)
+    torch_opt = torch.optim.AdamW(params, lr=0.01)
+    train(torch_opt, params, torch.Generator().manual_seed(7), 1)
+    offload = OffloadAdamW(params, lr=0.01)
+    offload.load_state_dict(save_and_load(torch_opt.state_dict()))
+    for index, param in enumerate(params):  # before any step, the saved master is the parameter
+        assert_same([offload.state_dict()["state"][index]["master_param"]], [param.float()])
