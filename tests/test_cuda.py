@@ -143,3 +143,82 @@ def test_copies_overlap_the_update():
     assert kernels and copies, [e.name for e in prof.events()][:20]
     overlapping = sum(1 for c in copies if any(k[0] < c[1] and c[0] < k[1] for k in kernels))
     assert overlapping > 0, "no copy overlapped an AdamW kernel"
+
+
+def test_lightning_resume_keeps_state_off_the_device(tmp_path):
+    """Lightning copies optimizer.state to the GPU after a restore; only step counts are there."""
+    import lightning.pytorch as pl
+    from lightning_models import TinyModel
+
+    class Wide(TinyModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = torch.nn.Linear(8192, 8192)  # 64M params: 512 MiB of AdamW state
+
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) + self.big.weight.sum() * 0
+
+    def fit(ckpt_path=None, steps=2):
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            enable_checkpointing=False,
+        )
+        model = Wide()
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return trainer, model
+
+    trainer, model = fit()
+    trainer.save_checkpoint(tmp_path / "wide.ckpt")
+    model_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # + grads
+    del trainer, model
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    trainer, _ = fit(tmp_path / "wide.ckpt", steps=4)
+    state_bytes = trainer.optimizers[0].memory_stats()["state_bytes"]
+    staging = 2 * 2 * 4 * (1 << 22)
+    peak = torch.cuda.max_memory_allocated()
+    assert peak <= model_bytes + staging + (64 << 20), (peak, model_bytes, state_bytes)
+    assert _device_tensors_in_state(trainer.optimizers[0]) == []
+
+
+def test_monitor_does_not_synchronise_on_steps_it_does_not_log(tmp_path, monkeypatch):
+    import lightning.pytorch as pl
+    from lightning_models import TinyModel
+
+    from lightning_offload_optim import OffloadMonitor
+
+    waits = []
+    window = {"open": False}
+
+    class Window(pl.Callback):
+        def on_train_batch_start(self, *args):
+            window["open"] = True
+
+        def on_train_end(self, *args):
+            window["open"] = False
+
+    def wait(kind):
+        return lambda *args, **kwargs: window["open"] and waits.append(kind)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", wait("event"))
+    monkeypatch.setattr(torch.cuda, "synchronize", wait("device"))
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=3,
+        log_every_n_steps=50,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        callbacks=[OffloadMonitor(summary=False), Window()],
+    )
+    trainer.fit(TinyModel())
+    assert waits == []
