@@ -188,15 +188,20 @@ class OffloadAdamW(torch.optim.AdamW):
                 _check_gradient(param, g, position)
                 slot = self._host.slots.get(param)
                 keys = state_keys(param, group["amsgrad"])
-                if slot is None:
-                    if self.state.get(param):
+                if slot is not None:
+                    self._check_unchanged(param, slot, g, position)
+                if slot is None or not set(keys) <= set(slot.arena.keys):
+                    if self.state.get(param) and slot is None:
                         raise RuntimeError(
                             f"{_describe(g, position)} has a step count but no offloaded state; "
                             "was optimizer.state edited by hand?"
                         )
-                    new.append((param, keys))
-                else:
-                    self._check_unchanged(param, slot, keys, g, position)
+                    if self.state.get(param):
+                        raise RuntimeError(
+                            f"{_describe(g, position)} has state without max_exp_avg_sq: "
+                            "amsgrad cannot be switched on after the first step"
+                        )
+                    new.append((param, keys))  # (again, if its state was cleared)
                 found.append((param, g))
         if new:
             self._host.allocate(new)
@@ -217,14 +222,8 @@ class OffloadAdamW(torch.optim.AdamW):
             self._plans[key] = plan_chunks([a.slot for a in active], self.chunk_size)
         return self._plans[key]
 
-    def _check_unchanged(
-        self,
-        param: Tensor,
-        slot: Slot,
-        keys: tuple[str, ...],
-        group: int,
-        position: int,
-    ) -> None:
+    @staticmethod
+    def _check_unchanged(param: Tensor, slot: Slot, group: int, position: int) -> None:
         layout = slot.layout
         if (param.shape, param.dtype, param.device, param.stride()) != (
             layout.shape,
@@ -237,12 +236,6 @@ class OffloadAdamW(torch.optim.AdamW):
                 f"it was {layout.describe()} and is now shape {tuple(param.shape)}, dtype "
                 f"{param.dtype}, device {param.device}. Move or cast the model before creating "
                 "the optimizer, or create a new optimizer."
-            )
-        missing = set(keys) - set(slot.arena.keys)
-        if missing and self.state.get(param):
-            raise RuntimeError(
-                f"{_describe(group, position)} has state without {sorted(missing)}: amsgrad "
-                "cannot be switched on after the first step"
             )
 
     def _initialise_new_state(self, active: list[_Active]) -> None:

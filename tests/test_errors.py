@@ -215,3 +215,17 @@ def test_dtensor_parameters_are_refused_clearly(tmp_path):
         assert not opt.state
     finally:
         dist.destroy_process_group()
+
+
+def test_cleared_state_is_recreated_with_the_keys_now_needed():
+    """After optimizer.state is cleared, amsgrad may be switched on: state starts afresh."""
+    opt, params = trained()
+    opt.state.clear()
+    opt.param_groups[0]["amsgrad"] = True
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    torch_opt = torch.optim.AdamW(reference, amsgrad=True, fused=True)
+    for r, p in zip(reference, params, strict=True):
+        r.grad = p.grad.clone()
+    opt.step()
+    torch_opt.step()
+    assert_same(params, reference)
