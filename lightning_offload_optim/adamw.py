@@ -31,6 +31,11 @@ from lightning_offload_optim.pipeline import (
 )
 from lightning_offload_optim.step_stats import StepRecord
 
+#: Version of the layout of offloaded state in ``state_dict()`` (key :data:`FORMAT_KEY`). A newer
+#: one is refused on load; older ones, and torch AdamW state dicts without the key, load.
+FORMAT_VERSION = 1
+FORMAT_KEY = "offload_format_version"
+
 #: Default elements per staged chunk and state key: 4 Mi elements, 16 MiB of fp32 per key.
 DEFAULT_CHUNK_SIZE = 1 << 22
 
@@ -59,6 +64,18 @@ def _resolve_pin_memory(pin_memory: bool | None) -> bool:
         )
         return False
     return bool(pin_memory)
+
+
+def check_format_version(version: Any, written_by: str = "") -> None:
+    """Refuse offloaded state written in a newer format than this installation reads."""
+    if version is None:
+        return
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise RuntimeError(
+            f"This offloaded optimizer state has format version {version!r}{written_by}; this "
+            f"installation of lightning-offload-optim reads versions up to {FORMAT_VERSION}. "
+            "Upgrade lightning-offload-optim to load it."
+        )
 
 
 def _describe(group: int, position: int) -> str:
@@ -326,6 +343,7 @@ class OffloadAdamW(torch.optim.AdamW):
         """state_dict post-hook (registered first): put the host state back under torch's keys."""
         if not self.enabled:
             return state_dict
+        state_dict[FORMAT_KEY] = FORMAT_VERSION  # torch's AdamW ignores extra top-level keys
         self._pipeline.wait_host()
         saved_params = (i for group in state_dict["param_groups"] for i in group["params"])
         params = (p for group in self.param_groups for p in group["params"])
@@ -377,6 +395,7 @@ class OffloadAdamW(torch.optim.AdamW):
             or not {"state", "param_groups"} <= state_dict.keys()
         ):
             raise ValueError("an optimizer state dict needs the keys 'state' and 'param_groups'")
+        check_format_version(state_dict.get(FORMAT_KEY))
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(

@@ -43,6 +43,9 @@ def main(out: Path) -> None:
             "params": [p.detach().clone() for p in model.parameters()],
             "resumed": [p.detach().clone() for p in resumed.parameters()],
             "steps": monitor.totals["steps"],
+            "interval_steps": fit.logged_metrics.get(
+                "offload/interval_steps", torch.tensor(0.0)
+            ).item(),
         }
     torch.save(results, out / f"rank{fit.global_rank}.pt")
 

@@ -181,3 +181,25 @@ def test_lightning_cli_sets_hyperparameters(tmp_path):
     assert isinstance(optimizer, OffloadAdamW)
     assert optimizer.param_groups[0]["weight_decay"] == 0.2
     assert optimizer.param_groups[0]["initial_lr"] == 0.05
+
+
+def test_mixin_reads_beta2_alone_and_spares_every_bias():
+    class Attention(OffloadOptimizerMixin, pl.LightningModule):
+        def __init__(self, beta2: float = 0.95) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.attention = torch.nn.MultiheadAttention(8, 2)
+
+    model = Attention()
+    decay, no_decay = model.configure_optimizers().param_groups
+    assert decay["betas"] == (0.9, 0.95)
+    assert any(p is model.attention.in_proj_bias for p in no_decay["params"])
+    assert not any(p is model.attention.in_proj_bias for p in decay["params"])
+
+
+def test_cosine_schedule_needs_a_finite_training_length(tmp_path):
+    model = TinyModel(lr_schedule="cosine")
+    with pytest.raises(ValueError, match="needs the module attached to a Trainer"):
+        model.configure_optimizers()  # no Trainer
+    with pytest.raises(ValueError, match="max_steps or max_epochs"):
+        trainer(tmp_path, max_steps=-1, max_epochs=-1).fit(model)

@@ -102,3 +102,59 @@ def test_step_records_resolve_without_the_monitor():
     stats = opt.last_step.resolve()
     assert stats.bytes_in == stats.bytes_out == 8 * 20
     assert opt.last_step.poll() == stats
+
+
+def test_with_accumulation_each_logged_row_covers_its_optimizer_steps(tmp_path):
+    """Lightning drops step logs of accumulating batches; the monitor must not compute there."""
+    rows = logged_rows(
+        tmp_path,
+        TinyModel(),
+        callbacks=[OffloadMonitor(summary=False)],
+        accumulate_grad_batches=2,
+        max_steps=4,
+        max_epochs=-1,
+    )
+    assert [int(r["step"]) for r in rows] == [1, 3]
+    assert [float(r["offload/interval_steps"]) for r in rows] == [2.0, 2.0]
+
+
+def test_interval_without_an_optimizer_step_logs_no_timings(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    logger = CSVLogger(tmp_path, name="run")
+    trainer(
+        tmp_path,
+        logger=logger,
+        log_every_n_steps=1,
+        max_epochs=1,
+        max_steps=-1,
+        plugins=[MixedPrecision("16-mixed", "cpu")],  # one step overflows fp16 and is skipped
+        callbacks=[OffloadMonitor(summary=False)],
+    ).fit(TinyModel())
+    with open(logger.experiment.metrics_file_path) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("offload/interval_steps")]
+    steps = [float(r["offload/interval_steps"]) for r in rows]
+    assert sorted(steps) == [0.0, 1.0, 1.0, 1.0]
+    for row, count in zip(rows, steps, strict=True):
+        if count == 0:
+            assert float(row["offload/step_ms"]) == 0.0  # not nan
+        else:
+            assert float(row["offload/step_ms"]) > 0
+
+
+def test_steps_not_read_yet_are_counted_in_checkpoints(tmp_path, monkeypatch):
+    """On a GPU a step's timing events are usually unfinished when the checkpoint is written."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_offload_optim.step_stats import StepRecord
+
+    monkeypatch.setattr(StepRecord, "poll", lambda self: None)  # never finished when polled
+    saver = ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=3, save_top_k=-1)
+    monitor = OffloadMonitor(summary=False)
+    trainer(tmp_path, max_steps=3, callbacks=[monitor, saver], enable_checkpointing=True).fit(
+        TinyModel(force_staging=True)
+    )
+    saved = torch.load(tmp_path / "ckpt" / "step=3.ckpt", weights_only=False)
+    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("OffloadMonitor")]
+    assert state["totals"]["steps"] == 3
+    assert monitor.totals["steps"] == 3

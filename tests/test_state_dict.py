@@ -220,3 +220,14 @@ def test_master_copy_is_filled_when_loading_a_checkpoint_without_one():
     offload.load_state_dict(save_and_load(torch_opt.state_dict()))
     for index, param in enumerate(params):  # before any step, the saved master is the parameter
         assert_same([offload.state_dict()["state"][index]["master_param"]], [param.float()])
+
+
+def test_state_dict_from_a_future_format_is_refused():
+    params = make_params()
+    offload = OffloadAdamW(params)
+    train(offload, params, torch.Generator().manual_seed(8), 1)
+    saved = offload.state_dict()
+    assert saved["offload_format_version"] == 1
+    future = {**saved, "offload_format_version": 2}
+    with pytest.raises(RuntimeError, match=r"format version 2.*Upgrade lightning-offload-optim"):
+        OffloadAdamW(params).load_state_dict(future)

@@ -6,13 +6,10 @@ from typing import Any
 
 import torch
 
-from lightning_offload_optim.adamw import OffloadAdamW
+from lightning_offload_optim.adamw import FORMAT_VERSION, OffloadAdamW, check_format_version
 
 #: Checkpoint key holding the metadata.
 CHECKPOINT_KEY = "lightning_offload_optim"
-#: Version of the layout of offloaded optimizer state inside a checkpoint. A loader refuses a
-#: newer one; older ones (and checkpoints without the key) load.
-FORMAT_VERSION = 1
 
 
 def offload_metadata(optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -36,15 +33,12 @@ def offload_metadata(optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
 
 
 def check_metadata(checkpoint: dict[str, Any]) -> None:
-    """Refuse a checkpoint written by a future, incompatible format; accept all others."""
+    """Refuse a checkpoint written by a future, incompatible format; accept all others.
+
+    Run from ``on_load_checkpoint``, before the optimizer exists; ``OffloadAdamW.load_state_dict``
+    checks the version stored in its own state dict again, for runs without the mixin.
+    """
     metadata = checkpoint.get(CHECKPOINT_KEY)
-    if metadata is None:
-        return
-    version = metadata.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise RuntimeError(
-            f"This checkpoint's offloaded optimizer state has format version {version!r} "
-            f"(written by lightning-offload-optim {metadata.get('package_version', '?')}); this "
-            f"installation reads versions up to {FORMAT_VERSION}. Upgrade lightning-offload-optim "
-            "to resume from it."
-        )
+    if metadata is not None:
+        written_by = f" (written by lightning-offload-optim {metadata.get('package_version', '?')})"
+        check_format_version(metadata.get("format_version"), written_by)

@@ -94,8 +94,9 @@ class OffloadOptimizerMixin:
         hparams = getattr(self, "hparams", {})
         if name == "lr" and "lr" not in hparams and "learning_rate" in hparams:
             return hparams["learning_rate"]
-        if name == "betas" and "betas" not in hparams and "beta1" in hparams:
-            return (hparams["beta1"], hparams.get("beta2", self.offload_defaults["betas"][1]))
+        if name == "betas" and "betas" not in hparams and {"beta1", "beta2"} & hparams.keys():
+            beta1, beta2 = self.offload_defaults["betas"]
+            return (hparams.get("beta1", beta1), hparams.get("beta2", beta2))
         return hparams.get(name, self.offload_defaults[name])
 
     def offload_param_groups(self) -> list[dict[str, Any]]:
@@ -106,7 +107,7 @@ class OffloadOptimizerMixin:
         no_decay_ids = set()
         for module in self.modules():
             for name, param in module.named_parameters(recurse=False):
-                if isinstance(module, NORM_TYPES) or name == "bias":
+                if isinstance(module, NORM_TYPES) or name == "bias" or name.endswith("_bias"):
                     no_decay_ids.add(id(param))
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
@@ -142,12 +143,14 @@ class OffloadOptimizerMixin:
             return optimizer
         total = None
         if schedule == "cosine":
-            trainer = getattr(self, "trainer", None)
-            total = int(trainer.estimated_stepping_batches) if trainer is not None else None
-            if total is None or not math.isfinite(total):
+            trainer = getattr(self, "_trainer", None)
+            estimate = trainer.estimated_stepping_batches if trainer is not None else math.inf
+            if not math.isfinite(estimate):
                 raise ValueError(
-                    "lr_schedule='cosine' needs a Trainer with max_steps or max_epochs"
+                    "lr_schedule='cosine' is sized from trainer.estimated_stepping_batches: it "
+                    "needs the module attached to a Trainer with max_steps or max_epochs set"
                 )
+            total = int(estimate)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, WarmupCosine(warmup, total, float(self.offload_hparam("min_lr_ratio")))
         )
@@ -158,7 +161,7 @@ class OffloadOptimizerMixin:
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
-        trainer = getattr(self, "trainer", None)
+        trainer = getattr(self, "_trainer", None)
         checkpoint[CHECKPOINT_KEY] = offload_metadata(trainer.optimizers if trainer else [])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torchmetrics import MaxMetric, MeanMetric, SumMetric
+from torchmetrics import Metric
 
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.lightning.checkpoint import (
@@ -19,7 +19,7 @@ from lightning_offload_optim.lightning.checkpoint import (
 from lightning_offload_optim.step_stats import StepRecord, StepStats
 
 #: Cumulative counters kept in the callback's checkpointed state.
-COUNTERS = ("steps", "bytes_in", "bytes_out", "copy_in_seconds", "copy_out_seconds", "step_seconds")
+COUNTERS = ("steps", "step_seconds", "copy_in_seconds", "copy_out_seconds", "bytes_in", "bytes_out")
 
 
 class OffloadMonitor(Callback):
@@ -42,6 +42,7 @@ class OffloadMonitor(Callback):
     ``host_pinned``               0/1     whether those buffers are page-locked
     ``peak_device_bytes``         bytes   ``torch.cuda.max_memory_allocated`` (CUDA only)
     ``total_moved_bytes``         bytes   state bytes copied both ways since the run began
+    ``interval_steps``            count   optimizer steps the values cover, summed over ranks
     ============================  ======  ==========================================================
 
     On a CPU-only run parameters and state share the host: no copies are made (``h2d_ms`` is 0)
@@ -77,7 +78,6 @@ class OffloadMonitor(Callback):
         self._optimizers: list[OffloadAdamW] = []
         self._seen: dict[int, StepRecord | None] = {}
         self._pending: list[StepRecord] = []
-        self._metrics: dict[str, Any] = {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._optimizers = [
@@ -91,19 +91,9 @@ class OffloadMonitor(Callback):
             )
             return
         self._seen = {id(opt): opt.last_step for opt in self._optimizers}
-        self._metrics = {
-            name: metric.to(pl_module.device)
-            for name, metric in {
-                "copy_in_ms": MeanMetric(),
-                "copy_out_ms": MeanMetric(),
-                "step_ms": MeanMetric(),
-                "step_ms_max": MaxMetric(),
-                "bytes_in": SumMetric(),
-                "bytes_out": SumMetric(),
-                "copy_in_seconds": SumMetric(),
-                "copy_out_seconds": SumMetric(),
-            }.items()
-        }
+        # Kept on the CPU between logs (updating it there never waits for the device); moved
+        # to the module's device only to be reduced across ranks when logged.
+        self._interval = IntervalTotals()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
@@ -117,54 +107,73 @@ class OffloadMonitor(Callback):
                 self._pending.append(record)
         # Fold in steps whose events are done; keeps few events alive, never waits.
         self._pending = [r for r in self._pending if not self._fold(r.poll())]
-        if trainer._logger_connector.should_update_logs:
-            for record in self._pending:
-                self._fold(record.resolve())
-            self._pending = []
-            pl_module.log_dict(self._compute_and_reset(pl_module), on_step=True, on_epoch=False)
-            if self.prog_bar:
-                saved = sum(opt.memory_stats()["state_bytes"] for opt in self._optimizers)
-                pl_module.log(f"{self.prefix}memory_saved_gb", saved / 1e9, prog_bar=True)
+        if not self._logs_now(trainer, pl_module):
+            return
+        self._fold_pending()
+        pl_module.log_dict(self._compute_and_reset(pl_module), on_step=True, on_epoch=False)
+        if self.prog_bar:
+            saved = sum(opt.memory_stats()["state_bytes"] for opt in self._optimizers)
+            pl_module.log(f"{self.prefix}memory_saved_gb", saved / 1e9, prog_bar=True)
+
+    @staticmethod
+    def _logs_now(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Whether Lightning writes this batch's step metrics (the same on every rank)."""
+        if trainer.fit_loop._should_accumulate() and pl_module.automatic_optimization:
+            return False  # Lightning drops step logs of accumulating batches
+        return trainer._logger_connector.should_update_logs
+
+    def _fold_pending(self) -> None:
+        """Fold in every step not read yet, waiting for their last events (logging, saving)."""
+        for record in self._pending:
+            self._fold(record.resolve())
+        self._pending = []
 
     def _fold(self, stats: StepStats | None) -> bool:
-        """Add one resolved step to the metrics and the totals; False if not resolved yet."""
+        """Add one resolved step to the interval's metrics and the totals; False if unresolved."""
         if stats is None:
             return False
-        m = self._metrics
-        m["copy_in_ms"].update(1000 * stats.copy_in_seconds)
-        m["copy_out_ms"].update(1000 * stats.copy_out_seconds)
-        m["step_ms"].update(1000 * stats.step_seconds)
-        m["step_ms_max"].update(1000 * stats.step_seconds)
-        m["bytes_in"].update(stats.bytes_in)
-        m["bytes_out"].update(stats.bytes_out)
-        m["copy_in_seconds"].update(stats.copy_in_seconds)
-        m["copy_out_seconds"].update(stats.copy_out_seconds)
-        self.totals["steps"] += 1
-        self.totals["bytes_in"] += stats.bytes_in
-        self.totals["bytes_out"] += stats.bytes_out
-        self.totals["copy_in_seconds"] += stats.copy_in_seconds
-        self.totals["copy_out_seconds"] += stats.copy_out_seconds
-        self.totals["step_seconds"] += stats.step_seconds
+        values = (
+            1.0,
+            stats.step_seconds,
+            stats.copy_in_seconds,
+            stats.copy_out_seconds,
+            float(stats.bytes_in),
+            float(stats.bytes_out),
+        )
+        self._interval.update(torch.tensor(values, dtype=torch.float64))
+        for name, value in zip(COUNTERS, values, strict=True):
+            self.totals[name] += value
         return True
 
     def _compute_and_reset(self, pl_module: pl.LightningModule) -> dict[str, float]:
-        """This interval's values, reduced across ranks by torchmetrics; then a new interval."""
-        values = {name: float(metric.compute()) for name, metric in self._metrics.items()}
-        for metric in self._metrics.values():
-            metric.reset()
+        """This interval's values, reduced across ranks by torchmetrics; then a new interval.
+
+        An interval whose optimizer steps were all skipped (GradScaler) logs zero times, with
+        ``interval_steps`` 0.
+        """
+        self._interval.to(pl_module.device)
+        totals, slowest = self._interval.compute()
+        sums = dict(zip(COUNTERS, totals.tolist(), strict=True))
+        slowest_ms = 1000 * float(slowest)
+        self._interval.reset()
+        self._interval.to("cpu")
         memory = [opt.memory_stats() for opt in self._optimizers]
         p = self.prefix
         logged = {
-            f"{p}h2d_ms": values["copy_in_ms"],
-            f"{p}d2h_ms": values["copy_out_ms"],
-            f"{p}h2d_gbps": _rate(values["bytes_in"], values["copy_in_seconds"]),
-            f"{p}d2h_gbps": _rate(values["bytes_out"], values["copy_out_seconds"]),
-            f"{p}step_ms": values["step_ms"],
-            f"{p}step_ms_max": values["step_ms_max"],
             f"{p}memory_saved_bytes": float(sum(m["state_bytes"] for m in memory)),
             f"{p}host_bytes": float(sum(m["host_bytes"] for m in memory)),
             f"{p}host_pinned": float(all(m["pinned"] for m in memory)),
             f"{p}total_moved_bytes": self.totals["bytes_in"] + self.totals["bytes_out"],
+            f"{p}interval_steps": sums["steps"],
+        }
+        steps = max(sums["steps"], 1.0)  # an interval whose steps were all skipped logs zeros
+        logged |= {
+            f"{p}h2d_ms": 1000 * sums["copy_in_seconds"] / steps,
+            f"{p}d2h_ms": 1000 * sums["copy_out_seconds"] / steps,
+            f"{p}h2d_gbps": _rate(sums["bytes_in"], sums["copy_in_seconds"]),
+            f"{p}d2h_gbps": _rate(sums["bytes_out"], sums["copy_out_seconds"]),
+            f"{p}step_ms": 1000 * sums["step_seconds"] / steps,
+            f"{p}step_ms_max": slowest_ms,
         }
         if pl_module.device.type == "cuda":
             logged[f"{p}peak_device_bytes"] = float(
@@ -173,12 +182,11 @@ class OffloadMonitor(Callback):
         return logged
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._optimizers or not self.summary:
+        if not self._optimizers:
             return
-        for record in self._pending:
-            self._fold(record.resolve())
-        self._pending = []
-        rank_zero_info(self.summary_text())
+        self._fold_pending()
+        if self.summary:
+            rank_zero_info(self.summary_text())
 
     def summary_text(self) -> str:
         """A few lines on memory saved and what it cost, over the whole run (resumes included)."""
@@ -200,6 +208,8 @@ class OffloadMonitor(Callback):
         )
 
     def state_dict(self) -> dict[str, Any]:
+        if self._optimizers:
+            self._fold_pending()  # steps whose timings were not read yet count too
         return {"totals": dict(self.totals)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -214,6 +224,28 @@ class OffloadMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         check_metadata(checkpoint)
+
+
+class IntervalTotals(Metric):
+    """Sums of :data:`COUNTERS` and the slowest step time since the last log, across ranks."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        zeros = torch.zeros(len(COUNTERS), dtype=torch.float64)
+        self.add_state("sums", default=zeros, dist_reduce_fx="sum")
+        self.add_state(
+            "slowest", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="max"
+        )
+
+    def update(self, values: torch.Tensor) -> None:
+        """Add one step's figures, ordered as :data:`COUNTERS`."""
+        self.sums += values
+        self.slowest = torch.maximum(self.slowest, values[COUNTERS.index("step_seconds")])
+
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sums, self.slowest
 
 
 def _rate(nbytes: float, seconds: float) -> float:
