@@ -6,6 +6,7 @@ each chunk to the one AdamW update in :mod:`lightning_offload_optim.functional`.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -233,10 +234,16 @@ class OffloadAdamW(torch.optim.AdamW):
         return active
 
     def _plan(self, active: list[_Active]) -> list[Chunk]:
-        """The chunk plan for this set of active parameters (cached: usually the same each step)."""
+        """The chunk plan for this set of active parameters (cached: usually the same each step).
+
+        Chunks bound the staging memory; when nothing is staged (CPU parameters updated in
+        place) one chunk per arena lets the fused kernel see every tensor at once.
+        """
         key = tuple(id(a.slot) for a in active)
         if key not in self._plans:
-            self._plans[key] = plan_chunks([a.slot for a in active], self.chunk_size)
+            staged = any(self._pipeline.stages(a.param.device) for a in active)
+            chunk_numel = self.chunk_size if staged else sys.maxsize
+            self._plans[key] = plan_chunks([a.slot for a in active], chunk_numel)
         return self._plans[key]
 
     @staticmethod
@@ -489,8 +496,9 @@ class _KernelLists:
         self.steps: list[Tensor] = []
 
     def add(self, a: _Active, start: int, stop: int, state: slice) -> None:
-        self.params.append(a.flat_param[start:stop])
-        self.grads.append(a.flat_grad[start:stop])
+        whole = start == 0 and stop == a.slot.layout.numel  # no new view object needed
+        self.params.append(a.flat_param if whole else a.flat_param[start:stop])
+        self.grads.append(a.flat_grad if whole else a.flat_grad[start:stop])
         self.state.append(state)
 
 
