@@ -151,6 +151,7 @@ class OffloadMonitor(Callback):
         An interval whose optimizer steps were all skipped (GradScaler) logs zero times, with
         ``interval_steps`` 0.
         """
+        self._interval.update(torch.zeros(len(COUNTERS), dtype=torch.float64))  # may be stepless
         self._interval.to(pl_module.device)
         totals, slowest = self._interval.compute()
         sums = dict(zip(COUNTERS, totals.tolist(), strict=True))
