@@ -51,6 +51,20 @@ def set_grads(
             p.grad = None if grad is None else grad.to(p.device).clone()
 
 
+def step_together(
+    optimizers: Sequence[torch.optim.Optimizer],
+    params_sets: Sequence[Sequence[torch.Tensor]],
+    generator: torch.Generator,
+    steps: int,
+    skip: Callable[[int], bool] = lambda i: False,
+) -> None:
+    """``steps`` times: give every set the same random gradients, then step every optimizer."""
+    for _ in range(steps):
+        set_grads(params_sets, generator, skip)
+        for optimizer in optimizers:
+            optimizer.step()
+
+
 def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert torch.equal(x.detach().cpu(), y.detach().cpu()), (

@@ -6,7 +6,7 @@ import io
 
 import pytest
 import torch
-from conftest import assert_same, clone_params, make_params, set_grads
+from conftest import assert_same, clone_params, make_params, set_grads, step_together
 
 from lightning_offload_optim import OffloadAdamW
 
@@ -16,20 +16,13 @@ SHAPES = [(4096, 1024), (1024,), (3, 1000, 333), (17,)]  # ~8M parameters
 CHUNK = 1 << 20
 
 
-def step_both(offload, torch_opt, params, reference, generator, steps=3):
-    for _ in range(steps):
-        set_grads([params, reference], generator)
-        offload.step()
-        torch_opt.step()
-
-
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_bit_identical_to_torch_fused_on_cuda(amsgrad):
     params = make_params(SHAPES, device=CUDA)
     reference = clone_params(params)
     offload = OffloadAdamW(params, lr=0.01, weight_decay=0.1, amsgrad=amsgrad, chunk_size=CHUNK)
     torch_opt = torch.optim.AdamW(reference, lr=0.01, weight_decay=0.1, amsgrad=amsgrad, fused=True)
-    step_both(offload, torch_opt, params, reference, torch.Generator().manual_seed(0))
+    step_together([offload, torch_opt], [params, reference], torch.Generator().manual_seed(0), 3)
     assert_same(params, reference)
     for p, r in zip(params, reference, strict=True):
         assert_same([offload.offloaded_state(p)["exp_avg_sq"]], [torch_opt.state[r]["exp_avg_sq"]])
@@ -147,8 +140,7 @@ def test_copies_overlap_the_update():
 
 def test_lightning_resume_keeps_state_off_the_device(tmp_path):
     """Lightning copies optimizer.state to the GPU after a restore; only step counts are there."""
-    import lightning.pytorch as pl
-    from lightning_models import TinyModel
+    from lightning_models import TinyModel, trainer
 
     class Wide(TinyModel):
         def __init__(self) -> None:
@@ -159,38 +151,27 @@ def test_lightning_resume_keeps_state_off_the_device(tmp_path):
             return super().training_step(batch, batch_idx) + self.big.weight.sum() * 0
 
     def fit(ckpt_path=None, steps=2):
-        trainer = pl.Trainer(
-            accelerator="gpu",
-            devices=1,
-            max_steps=steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-            enable_checkpointing=False,
-        )
-        model = Wide()
-        trainer.fit(model, ckpt_path=ckpt_path)
-        return trainer, model
+        fitted, model = trainer(tmp_path, accelerator="gpu", max_steps=steps), Wide()
+        fitted.fit(model, ckpt_path=ckpt_path)
+        return fitted, model
 
-    trainer, model = fit()
-    trainer.save_checkpoint(tmp_path / "wide.ckpt")
+    first, model = fit()
+    first.save_checkpoint(tmp_path / "wide.ckpt")
     model_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # + grads
-    del trainer, model
+    del first, model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    trainer, _ = fit(tmp_path / "wide.ckpt", steps=4)
-    state_bytes = trainer.optimizers[0].memory_stats()["state_bytes"]
+    resumed, _ = fit(tmp_path / "wide.ckpt", steps=4)
+    state_bytes = resumed.optimizers[0].memory_stats()["state_bytes"]
     staging = 2 * 2 * 4 * (1 << 22)
     peak = torch.cuda.max_memory_allocated()
     assert peak <= model_bytes + staging + (64 << 20), (peak, model_bytes, state_bytes)
-    assert _device_tensors_in_state(trainer.optimizers[0]) == []
+    assert _device_tensors_in_state(resumed.optimizers[0]) == []
 
 
 def test_step_and_monitor_do_not_synchronise_on_steps_that_are_not_logged(tmp_path, monkeypatch):
     """torch's sync debug mode turns any device synchronisation in them into an error."""
-    import lightning.pytorch as pl
-    from lightning_models import ManualModel  # the step's closure is Lightning's no-op one
+    from lightning_models import ManualModel, trainer  # ManualModel: a no-op step closure
 
     from lightning_offload_optim import OffloadMonitor
 
@@ -210,17 +191,8 @@ def test_step_and_monitor_do_not_synchronise_on_steps_that_are_not_logged(tmp_pa
     monkeypatch.setattr(
         OffloadMonitor, "on_train_batch_end", strict(OffloadMonitor.on_train_batch_end)
     )
-    trainer = pl.Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=5,
-        log_every_n_steps=50,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        enable_checkpointing=False,
-        callbacks=[monitor],
+    fitted = trainer(
+        tmp_path, accelerator="gpu", max_steps=5, log_every_n_steps=50, callbacks=[monitor]
     )
-    trainer.fit(ManualModel())
+    fitted.fit(ManualModel())
     assert monitor.totals["steps"] == 5  # all read by the end of fit

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_same, make_params, set_grads
+from conftest import assert_same, make_params, set_grads, step_together
 
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim import pipeline as pipeline_module
@@ -17,9 +17,7 @@ def trained(steps: int = 2, **kwargs):
     params = make_params()
     opt = OffloadAdamW(params, **kwargs)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        set_grads([params], generator)
-        opt.step()
+    step_together([opt], [params], generator, steps)
     set_grads([params], generator)
     return opt, params
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SHAPES, assert_same, clone_params, make_params, set_grads
+from conftest import SHAPES, assert_same, clone_params, make_params, set_grads, step_together
 from torch.testing._internal.common_optimizers import optim_db
 
 from lightning_offload_optim import OffloadAdamW
@@ -295,10 +295,7 @@ def test_memory_efficient_adamw_keeps_the_original_positional_signature():
     assert legacy.pin_memory is False and legacy.enabled
     torch_opt = torch.optim.AdamW(reference, 0.01, (0.8, 0.99), 1e-6, 0.2, True, fused=True)
     generator = torch.Generator().manual_seed(7)
-    for _ in range(3):
-        set_grads([params, reference], generator)
-        legacy.step()
-        torch_opt.step()
+    step_together([legacy, torch_opt], [params, reference], generator, 3)
     assert_same(params, reference)
 
 

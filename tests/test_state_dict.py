@@ -6,7 +6,7 @@ import io
 
 import pytest
 import torch
-from conftest import assert_same, clone_params, make_params, set_grads
+from conftest import assert_same, clone_params, make_params, set_grads, step_together
 
 from lightning_offload_optim import OffloadAdamW
 
@@ -29,12 +29,6 @@ def load_into_fused_torch(torch_opt: torch.optim.AdamW, state_dict: dict) -> Non
         group["fused"] = True
 
 
-def train(opt, params, generator, steps, others=()):
-    for _ in range(steps):
-        set_grads([params, *others], generator)
-        opt.step()
-
-
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 @pytest.mark.parametrize(
     ("before", "after"),
@@ -52,20 +46,14 @@ def test_resume_matches_uninterrupted_run(mode, before, after, amsgrad):
     reference = torch.optim.AdamW(uninterrupted, lr=0.01, amsgrad=amsgrad, fused=True)
     first = make(before, params)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        set_grads([params, uninterrupted], generator)
-        first.step()
-        reference.step()
+    step_together([first, reference], [params, uninterrupted], generator, 3)
     checkpoint = save_and_load(first.state_dict())
     second = make(after, params)
     if after == "torch":
         load_into_fused_torch(second, checkpoint)
     else:
         second.load_state_dict(checkpoint)
-    for _ in range(3):
-        set_grads([params, uninterrupted], generator)
-        second.step()
-        reference.step()
+    step_together([second, reference], [params, uninterrupted], generator, 3)
     assert_same(params, uninterrupted)
     assert_same(
         [second.state_dict()["state"][i]["exp_avg_sq"] for i in range(len(params))],
@@ -81,10 +69,7 @@ def test_state_dict_matches_torch_format():
     offload = OffloadAdamW(params, amsgrad=True)
     torch_opt = torch.optim.AdamW(reference, amsgrad=True)
     generator = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        set_grads([params, reference], generator, skip=lambda i: i == 2)
-        offload.step()
-        torch_opt.step()
+    step_together([offload, torch_opt], [params, reference], generator, 2, skip=lambda i: i == 2)
     ours, theirs = offload.state_dict(), torch_opt.state_dict()
     assert ours["param_groups"] == theirs["param_groups"]
     assert ours["state"].keys() == theirs["state"].keys()
@@ -101,7 +86,7 @@ def test_parameter_names_as_state_keys():
     params = make_params()
     offload = OffloadAdamW(params, lr=0.01)
     generator = torch.Generator().manual_seed(2)
-    train(offload, params, generator, 2)
+    step_together([offload], [params], generator, 2)
     reference = clone_params(params)
     torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
     load_into_fused_torch(torch_opt, offload.state_dict())
@@ -117,10 +102,7 @@ def test_parameter_names_as_state_keys():
     }
     resumed = OffloadAdamW(params, lr=0.01)
     resumed.load_state_dict(save_and_load(by_name))
-    for _ in range(2):
-        set_grads([params, reference], generator)
-        resumed.step()
-        torch_opt.step()
+    step_together([resumed, torch_opt], [params, reference], generator, 2)
     assert_same(params, reference)
 
 
@@ -128,7 +110,7 @@ def test_parameter_names_as_state_keys():
 def test_low_precision_checkpoint_keeps_fp32(dtype):
     params = make_params(dtype=dtype)
     first = OffloadAdamW(params, lr=0.01)
-    train(first, params, torch.Generator().manual_seed(3), 3)
+    step_together([first], [params], torch.Generator().manual_seed(3), 3)
     checkpoint = save_and_load(first.state_dict())
     assert checkpoint["state"][0]["exp_avg"].dtype == torch.float32
     assert checkpoint["state"][0]["master_param"].dtype == torch.float32
@@ -146,16 +128,10 @@ def test_low_precision_resume_matches_uninterrupted_run():
     first = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
     reference = OffloadAdamW(uninterrupted, lr=0.01, weight_decay=0.1)
     generator = torch.Generator().manual_seed(4)
-    for _ in range(3):
-        set_grads([params, uninterrupted], generator)
-        first.step()
-        reference.step()
+    step_together([first, reference], [params, uninterrupted], generator, 3)
     second = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
     second.load_state_dict(save_and_load(first.state_dict()))
-    for _ in range(3):
-        set_grads([params, uninterrupted], generator)
-        second.step()
-        reference.step()
+    step_together([second, reference], [params, uninterrupted], generator, 3)
     assert_same(params, uninterrupted)
 
 
@@ -163,7 +139,7 @@ def test_torch_low_precision_checkpoint_is_upcast_and_master_taken_from_params()
     params = make_params(dtype=torch.bfloat16)
     torch_opt = torch.optim.AdamW(params, lr=0.01)
     generator = torch.Generator().manual_seed(5)
-    train(torch_opt, params, generator, 2)
+    step_together([torch_opt], [params], generator, 2)
     checkpoint = save_and_load(torch_opt.state_dict())
     offload = OffloadAdamW(params, lr=0.01)
     offload.load_state_dict(checkpoint)
@@ -200,22 +176,19 @@ def test_state_dict_waits_for_staged_writes_and_survives_later_steps_as_torch_do
     params = make_params()
     offload = OffloadAdamW(params, force_staging=True, chunk_size=64)
     generator = torch.Generator().manual_seed(6)
-    train(offload, params, generator, 2)
+    step_together([offload], [params], generator, 2)
     snapshot = save_and_load(offload.state_dict())
     reference = clone_params(params)
     torch_opt = torch.optim.AdamW(reference, fused=True)
     load_into_fused_torch(torch_opt, snapshot)
-    for _ in range(2):
-        set_grads([params, reference], generator)
-        offload.step()
-        torch_opt.step()
+    step_together([offload, torch_opt], [params, reference], generator, 2)
     assert_same(params, reference)
 
 
 def test_master_copy_is_filled_when_loading_a_checkpoint_without_one():
     params = make_params(dtype=torch.bfloat16)
     torch_opt = torch.optim.AdamW(params, lr=0.01)
-    train(torch_opt, params, torch.Generator().manual_seed(7), 1)
+    step_together([torch_opt], [params], torch.Generator().manual_seed(7), 1)
     offload = OffloadAdamW(params, lr=0.01)
     offload.load_state_dict(save_and_load(torch_opt.state_dict()))
     for index, param in enumerate(params):  # before any step, the saved master is the parameter
@@ -225,7 +198,7 @@ def test_master_copy_is_filled_when_loading_a_checkpoint_without_one():
 def test_state_dict_from_a_future_format_is_refused():
     params = make_params()
     offload = OffloadAdamW(params)
-    train(offload, params, torch.Generator().manual_seed(8), 1)
+    step_together([offload], [params], torch.Generator().manual_seed(8), 1)
     saved = offload.state_dict()
     assert saved["offload_format_version"] == 1
     future = {**saved, "offload_format_version": 2}
