@@ -205,21 +205,19 @@ class OffloadAdamW(torch.optim.AdamW):
                     continue
                 _check_gradient(param, g, position)
                 slot = self._host.slots.get(param)
-                keys = state_keys(param, group["amsgrad"])
                 if slot is not None:
                     self._check_unchanged(param, slot, g, position)
-                if slot is None or not set(keys) <= set(slot.arena.keys):
-                    if self.state.get(param) and slot is None:
-                        raise RuntimeError(
-                            f"{_describe(g, position)} has a step count but no offloaded state; "
-                            "was optimizer.state edited by hand?"
-                        )
+                if slot is None or (group["amsgrad"] and "max_exp_avg_sq" not in slot.arena.keys):
+                    # New state: a first step, or state cleared (amsgrad on) since the last one.
                     if self.state.get(param):
-                        raise RuntimeError(
-                            f"{_describe(g, position)} has state without max_exp_avg_sq: "
-                            "amsgrad cannot be switched on after the first step"
+                        why = (
+                            "no offloaded state; was optimizer.state edited by hand?"
+                            if slot is None
+                            else "no max_exp_avg_sq: amsgrad cannot be switched on after the "
+                            "first step"
                         )
-                    new.append((param, keys))  # (again, if its state was cleared)
+                        raise RuntimeError(f"{_describe(g, position)} has a step count but {why}")
+                    new.append((param, state_keys(param, group["amsgrad"])))
                 found.append((param, g))
         if new:
             self._host.allocate(new)
@@ -301,7 +299,9 @@ class OffloadAdamW(torch.optim.AdamW):
         calls: dict[int, _KernelLists] = {}
         for seg in chunk.segments:
             a = active[seg.index]
-            lists = calls.setdefault(a.group, _KernelLists())
+            if a.group not in calls:
+                calls[a.group] = _KernelLists()
+            lists = calls[a.group]
             lists.add(
                 a,
                 seg.start,
