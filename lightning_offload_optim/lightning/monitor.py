@@ -155,7 +155,6 @@ class OffloadMonitor(Callback):
         self._interval.to(pl_module.device)
         totals, slowest = self._interval.compute()
         sums = dict(zip(COUNTERS, totals.tolist(), strict=True))
-        slowest_ms = 1000 * float(slowest)
         self._interval.reset()
         self._interval.to("cpu")
         memory = [opt.memory_stats() for opt in self._optimizers]
@@ -167,15 +166,9 @@ class OffloadMonitor(Callback):
             f"{p}total_moved_bytes": self.totals["bytes_in"] + self.totals["bytes_out"],
             f"{p}interval_steps": sums["steps"],
         }
-        steps = max(sums["steps"], 1.0)  # an interval whose steps were all skipped logs zeros
-        logged |= {
-            f"{p}h2d_ms": 1000 * sums["copy_in_seconds"] / steps,
-            f"{p}d2h_ms": 1000 * sums["copy_out_seconds"] / steps,
-            f"{p}h2d_gbps": _rate(sums["bytes_in"], sums["copy_in_seconds"]),
-            f"{p}d2h_gbps": _rate(sums["bytes_out"], sums["copy_out_seconds"]),
-            f"{p}step_ms": 1000 * sums["step_seconds"] / steps,
-            f"{p}step_ms_max": slowest_ms,
-        }
+        per_step = _per_step(sums)  # an interval whose steps were all skipped logs zeros
+        logged |= {f"{p}{name}": value for name, value in per_step.items()}
+        logged[f"{p}step_ms_max"] = 1000 * float(slowest)
         if pl_module.device.type == "cuda":
             logged[f"{p}peak_device_bytes"] = float(
                 torch.cuda.max_memory_allocated(pl_module.device)
@@ -192,20 +185,18 @@ class OffloadMonitor(Callback):
     def summary_text(self) -> str:
         """A few lines on memory saved and what it cost, over the whole run (resumes included)."""
         t = self.totals
-        steps = max(1.0, t["steps"])
+        per_step = _per_step(t)
         saved = sum(opt.memory_stats()["state_bytes"] for opt in self._optimizers)
         head = (
             f"OffloadMonitor: {saved / 2**30:.2f} GiB of optimizer state kept in host memory "
             f"over {int(t['steps'])} optimizer steps; optimizer step "
-            f"{1000 * t['step_seconds'] / steps:.1f} ms/step."
+            f"{per_step['step_ms']:.1f} ms/step."
         )
         if t["bytes_in"] == 0:
             return head + "\n  No copies: parameters and state share host memory (CPU training)."
         return head + (
-            f"\n  host->device {1000 * t['copy_in_seconds'] / steps:.1f} ms/step "
-            f"({_rate(t['bytes_in'], t['copy_in_seconds']):.1f} GB/s), "
-            f"device->host {1000 * t['copy_out_seconds'] / steps:.1f} ms/step "
-            f"({_rate(t['bytes_out'], t['copy_out_seconds']):.1f} GB/s)."
+            f"\n  host->device {per_step['h2d_ms']:.1f} ms/step ({per_step['h2d_gbps']:.1f} GB/s), "
+            f"device->host {per_step['d2h_ms']:.1f} ms/step ({per_step['d2h_gbps']:.1f} GB/s)."
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -247,6 +238,18 @@ class IntervalTotals(Metric):
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.sums, self.slowest
+
+
+def _per_step(sums: dict[str, float]) -> dict[str, float]:
+    """Mean times per optimizer step (ms) and bandwidths (GB/s) from summed :data:`COUNTERS`."""
+    steps = max(sums["steps"], 1.0)
+    return {
+        "h2d_ms": 1000 * sums["copy_in_seconds"] / steps,
+        "d2h_ms": 1000 * sums["copy_out_seconds"] / steps,
+        "h2d_gbps": _rate(sums["bytes_in"], sums["copy_in_seconds"]),
+        "d2h_gbps": _rate(sums["bytes_out"], sums["copy_out_seconds"]),
+        "step_ms": 1000 * sums["step_seconds"] / steps,
+    }
 
 
 def _rate(nbytes: float, seconds: float) -> float:
