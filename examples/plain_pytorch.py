@@ -8,6 +8,8 @@ would have taken.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from lightning_offload_optim import OffloadAdamW
@@ -19,10 +21,7 @@ def main() -> None:
     model = torch.nn.Sequential(
         torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 10)
     ).to(device)
-    reference = torch.nn.Sequential(
-        torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 10)
-    ).to(device)
-    reference.load_state_dict(model.state_dict())
+    reference = copy.deepcopy(model)  # the same weights, trained with torch's AdamW
 
     optimizer = OffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
