@@ -6,9 +6,11 @@ each chunk to the one AdamW update in :mod:`lightning_offload_optim.functional`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,25 +22,29 @@ from lightning_offload_optim.functional import SPLIT_ALIGNMENT, adamw_update
 from lightning_offload_optim.host_state import (
     MASTER_KEY,
     MOMENT_KEYS,
+    Arena,
     HostState,
     Slot,
     state_keys,
 )
-from lightning_offload_optim.pipeline import (
-    GRAD_KEY,
-    Chunk,
-    StagingPipeline,
-    plan_chunks,
-)
+from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
 from lightning_offload_optim.step_stats import StepRecord
-
-#: Version of the layout of offloaded state in ``state_dict()`` (key :data:`FORMAT_KEY`). A newer
-#: one is refused on load; older ones, and torch AdamW state dicts without the key, load.
-FORMAT_VERSION = 1
-FORMAT_KEY = "offload_format_version"
+from lightning_offload_optim.validation import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    Hyperparameters,
+    check_gradient,
+    describe,
+    group_hyperparameters,
+    match_loaded_state,
+)
 
 #: Default elements per staged chunk and state key: 4 Mi elements, 16 MiB of fp32 per key.
 DEFAULT_CHUNK_SIZE = 1 << 22
+#: Chunk plans kept for reuse, one per set of parameters with gradients (usually one).
+PLAN_CACHE_SIZE = 8
+#: Constructor settings kept when the optimizer is copied or pickled.
+_SETTINGS = ("enabled", "chunk_size", "pin_memory", "force_staging")
 
 
 @dataclass
@@ -67,45 +73,6 @@ def _resolve_pin_memory(pin_memory: bool | None) -> bool:
     return bool(pin_memory)
 
 
-def check_format_version(version: Any, written_by: str = "") -> None:
-    """Refuse offloaded state written in a newer format than this installation reads."""
-    if version is None:
-        return
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise RuntimeError(
-            f"This offloaded optimizer state has format version {version!r}{written_by}; this "
-            f"installation of lightning-offload-optim reads versions up to {FORMAT_VERSION}. "
-            "Upgrade lightning-offload-optim to load it."
-        )
-
-
-def _describe(group: int, position: int) -> str:
-    return f"parameter {position} of param group {group}"
-
-
-def _check_gradient(param: Tensor, group: int, position: int) -> None:
-    """Refuse what the fused kernel cannot take, before anything is modified."""
-    grad = param.grad
-    assert grad is not None
-    where = _describe(group, position)
-    if grad.is_sparse:
-        raise RuntimeError(
-            f"OffloadAdamW does not support sparse gradients ({where}); use "
-            "torch.optim.SparseAdam for sparse embeddings"
-        )
-    if type(param).__name__ == "DTensor" or type(grad).__name__ == "DTensor":
-        raise RuntimeError(
-            f"OffloadAdamW does not support DTensor parameters yet ({where}): FSDP2 and "
-            "ModelParallel shard parameters as DTensors"
-        )
-    if (grad.dtype, grad.device, grad.shape) != (param.dtype, param.device, param.shape):
-        raise RuntimeError(
-            f"the gradient of {where} is {grad.dtype} of shape {tuple(grad.shape)} on "
-            f"{grad.device}, the parameter {param.dtype} of shape {tuple(param.shape)} on "
-            f"{param.device}; they must match"
-        )
-
-
 class OffloadAdamW(torch.optim.AdamW):
     """AdamW whose state (moments, and an fp32 master copy of bf16/fp16 params) lives in host RAM.
 
@@ -119,7 +86,7 @@ class OffloadAdamW(torch.optim.AdamW):
         params, lr, betas, eps, weight_decay, amsgrad, maximize: as :class:`torch.optim.AdamW`.
         pin_memory: page-lock the host buffers (needed for copies that overlap compute).
             ``None`` pins when an accelerator is available; ``True`` without one warns and
-            falls back to ordinary memory.
+            falls back to ordinary memory, as does a host that refuses to pin.
         enabled: ``False`` makes this exactly ``torch.optim.AdamW`` (state on the device).
         chunk_size: elements per staged chunk and state key (rounded down to a multiple of 64).
             Device memory used is about ``2 * chunk_size * 4 bytes * number of state keys``.
@@ -153,23 +120,57 @@ class OffloadAdamW(torch.optim.AdamW):
             raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
         if chunk_size < SPLIT_ALIGNMENT:
             raise ValueError(f"chunk_size must be at least {SPLIT_ALIGNMENT}, got {chunk_size}")
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
+        # Set before torch's constructor, whose add_param_group calls read them.
         self.enabled = bool(enabled)
         self.chunk_size = chunk_size - chunk_size % SPLIT_ALIGNMENT
+        self.force_staging = bool(force_staging)
         self.pin_memory = _resolve_pin_memory(pin_memory) if self.enabled else False
-        self._host = HostState(self.pin_memory)
-        self._pipeline = StagingPipeline(self.chunk_size, force_staging)
-        self._plans: dict[tuple[int, ...], list[Chunk]] = {}
-        # A plain function, not a bound method: no reference cycle keeping host buffers alive.
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
+        self._start_offload()
+
+    def _start_offload(self) -> None:
+        """The host store, pipeline and caches (at construction and when copied or unpickled)."""
+        pipeline = StagingPipeline(self.chunk_size, self.force_staging)
+        pin = self.pin_memory
+        self._pipeline = pipeline
+        # Closures over the pipeline only: no reference cycle keeping host buffers alive.
+        self._host = HostState(lambda device: pin and pipeline.stages(device))
+        self._plans: OrderedDict[tuple[int, ...], list[Chunk]] = OrderedDict()
+        self._interrupted: str | None = None
         self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, but a parameter listed twice in one group is refused (torch only warns,
+        then steps it twice per step). Groups record ``fused=True``: that is the kernel used,
+        and ``torch.optim.AdamW`` loading the state dict then uses it too."""
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is not None and not isinstance(params, (Tensor, set)):
+            param_group["params"] = params = list(params)
+            tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+            first: dict[int, int] = {}
+            for position, param in enumerate(tensors):
+                if id(param) in first:
+                    raise ValueError(
+                        f"parameter {first[id(param)]} of the new param group is listed again "
+                        f"at position {position}; list each parameter once"
+                    )
+                first[id(param)] = position
+        super().add_param_group(param_group)
+        if self.enabled:
+            _record_fused(self.param_groups[-1])
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (with gradients enabled) if given, then one AdamW step; return its loss.
 
-        Everything is validated and allocated before any parameter or state is modified, so a
-        step that raises leaves the optimizer and the model as they were.
+        All or nothing where it can be: hyperparameters of every group, gradients, parameter
+        layouts, host and staging allocations and the step counts' copies to the device are all
+        checked and made before the first parameter, moment or step count changes, so a step
+        that raises for any of these leaves model and optimizer exactly as they were. A fault
+        during the update itself (a device error, ``KeyboardInterrupt``) can leave some chunks
+        updated and others not; that cannot be undone cheaply, so the optimizer then refuses
+        further ``step()`` and ``state_dict()`` calls with an error until a state dict is loaded.
         """
         loss = None
         if closure is not None:
@@ -178,111 +179,136 @@ class OffloadAdamW(torch.optim.AdamW):
         if not self.enabled:
             _torch_adamw_step(self)
             return loss
-
-        active = self._collect_active()
+        self._refuse_if_interrupted()
+        hyper = [group_hyperparameters(g, i) for i, g in enumerate(self.param_groups)]
+        active, new_slots = self._collect_active()
         if not active:
             return loss
-        chunks = self._plan(active)
+        chunks = self._plan(active, cache=not new_slots)
         self._pipeline.prepare(chunks)
-        self._initialise_new_state(active)
-        steps = [a.step for a in active]
-        torch._foreach_add_(steps, torch.tensor(1.0), alpha=1.0)
-        device_steps = self._steps_on_devices(active)
+        self._fill_new_state(active, new_slots)
+        host_steps = [a.step for a in active]
+        next_steps = torch._foreach_add(host_steps, 1.0)
+        device_steps = self._steps_on_devices(active, next_steps)
 
         def update(chunk: Chunk, views: dict[str, Tensor]) -> None:
-            self._update_chunk(chunk, views, active, device_steps)
+            self._update_chunk(chunk, views, active, device_steps, hyper)
 
-        self._pipeline.run(chunks, update)
+        # Everything is checked and allocated: from here on the update runs.
+        try:
+            if new_slots:
+                self._host.adopt(new_slots)
+                self._plans.clear()
+                for a in active:
+                    if a.param in new_slots:
+                        self.state[a.param]["step"] = a.step
+            torch._foreach_add_(host_steps, 1.0)
+            self._pipeline.run(chunks, update)
+        except BaseException as error:
+            self._interrupted = f"{type(error).__name__}: {error}"
+            raise
         return loss
 
-    def _collect_active(self) -> list[_Active]:
-        """Validate this step's parameters and lay out state for new ones (no mutation of state)."""
+    def _refuse_if_interrupted(self) -> None:
+        if self._interrupted is not None:
+            raise RuntimeError(
+                "OffloadAdamW: an earlier step() failed partway through its update "
+                f"({self._interrupted}), so parameters and optimizer state may be partly "
+                "updated. Restore the model's weights and this optimizer's state from a "
+                "checkpoint (load_state_dict) before stepping or saving again."
+            )
+
+    def _collect_active(self) -> tuple[list[_Active], dict[Tensor, Slot]]:
+        """Check this step's parameters; lay out (not yet adopt) state for new ones."""
         found: list[tuple[Tensor, int]] = []
         new: list[tuple[Tensor, tuple[str, ...]]] = []
         for g, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
-                _check_gradient(param, g, position)
+                check_gradient(param, g, position)
                 slot = self._host.slots.get(param)
-                if slot is not None:
-                    self._check_unchanged(param, slot, g, position)
-                if slot is None or (group["amsgrad"] and "max_exp_avg_sq" not in slot.arena.keys):
-                    # New state: a first step, or state cleared (amsgrad on) since the last one.
-                    if self.state.get(param):
-                        why = (
-                            "no offloaded state; was optimizer.state edited by hand?"
-                            if slot is None
-                            else "no max_exp_avg_sq: amsgrad cannot be switched on after the "
-                            "first step"
-                        )
-                        raise RuntimeError(f"{_describe(g, position)} has a step count but {why}")
+                if not self.state.get(param):  # a first step, or state cleared since
                     new.append((param, state_keys(param, group["amsgrad"])))
+                elif slot is None:
+                    raise RuntimeError(
+                        f"{describe(g, position)} has a step count but no offloaded state; "
+                        "was optimizer.state edited by hand?"
+                    )
+                elif group["amsgrad"] and "max_exp_avg_sq" not in slot.arena.keys:
+                    raise RuntimeError(
+                        f"{describe(g, position)} has no max_exp_avg_sq: amsgrad cannot be "
+                        "switched on after the first step"
+                    )
+                else:
+                    self._check_unchanged(param, slot, g, position)
                 found.append((param, g))
-        if new:
-            self._host.allocate(new)
-            self._plans.clear()
+        new_slots = self._host.allocate(new) if new else {}
         active = []
         for param, g in found:
-            slot = self._host.slots[param]
+            slot = new_slots[param] if param in new_slots else self._host.slots[param]
             state = self.state.get(param)
             step = state["step"] if state else torch.zeros((), dtype=torch.float32)
             flat_grad = slot.layout.flat(param.grad)
             active.append(_Active(param, slot, g, slot.flat_param(param), flat_grad, step))
-        return active
+        return active, new_slots
 
-    def _plan(self, active: list[_Active]) -> list[Chunk]:
-        """The chunk plan for this set of active parameters (cached: usually the same each step).
-
-        Chunks bound the staging memory; when nothing is staged (CPU parameters updated in
-        place) one chunk per arena lets the fused kernel see every tensor at once.
-        """
-        key = tuple(id(a.slot) for a in active)
-        if key not in self._plans:
-            staged = any(self._pipeline.stages(a.param.device) for a in active)
-            chunk_numel = self.chunk_size if staged else sys.maxsize
-            self._plans[key] = plan_chunks([a.slot for a in active], chunk_numel)
-        return self._plans[key]
-
-    @staticmethod
-    def _check_unchanged(param: Tensor, slot: Slot, group: int, position: int) -> None:
+    def _check_unchanged(self, param: Tensor, slot: Slot, group: int, position: int) -> None:
+        """Refuse a parameter whose shape, dtype or device changed; follow a stride change
+        (``model.to(memory_format=torch.channels_last)``) by reordering its state."""
         layout = slot.layout
-        if (param.shape, param.dtype, param.device, param.stride()) != (
-            layout.shape,
-            layout.dtype,
-            layout.device,
-            layout.stride,
-        ):
+        if (param.shape, param.dtype, param.device) != (layout.shape, layout.dtype, layout.device):
             raise RuntimeError(
-                f"{_describe(group, position)} changed since its optimizer state was created: "
-                f"it was {layout.describe()} and is now shape {tuple(param.shape)}, dtype "
-                f"{param.dtype}, device {param.device}. Move or cast the model before creating "
-                "the optimizer, or create a new optimizer."
+                f"{describe(group, position)} changed since its optimizer state was created: "
+                f"it was {layout.describe()} and is now shape {tuple(param.shape)}, strides "
+                f"{param.stride()}, dtype {param.dtype}, device {param.device}. Move or cast "
+                "the model before creating the optimizer, or create a new optimizer."
             )
+        if param.stride() != layout.stride:
+            self._pipeline.wait_host()
+            slot.relayout(param)
 
-    def _initialise_new_state(self, active: list[_Active]) -> None:
-        """Zero the moments of parameters stepping for the first time; their master copy (bf16
-        and fp16 parameters) starts as the parameter itself."""
-        fresh = [a for a in active if not self.state.get(a.param)]
-        if not fresh:
-            return
-        self._pipeline.wait_host()  # a slot reused after optimizer.state was cleared
-        for a in fresh:
-            for key in a.slot.arena.keys:
-                if key == MASTER_KEY:
-                    a.slot.view(key).copy_(a.flat_param)
-                else:
-                    a.slot.view(key).zero_()
-            self.state[a.param]["step"] = a.step
+    def _chunk_limit(self, arena: Arena) -> int:
+        """Chunks bound the staging and gradient-scratch memory; arenas updated in place with
+        no scratch take one chunk, so the fused kernel sees every tensor at once."""
+        if self._pipeline.stages(arena.device) or MASTER_KEY in arena.keys:
+            return self.chunk_size
+        return sys.maxsize
+
+    def _plan(self, active: list[_Active], cache: bool) -> list[Chunk]:
+        """The chunk plan for this set of active parameters, from a small LRU cache."""
+        key = tuple(id(a.slot) for a in active)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        plan = plan_chunks([a.slot for a in active], self._chunk_limit)
+        if cache:
+            self._plans[key] = plan
+            if len(self._plans) > PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+        return plan
 
     @staticmethod
-    def _steps_on_devices(active: list[_Active]) -> list[Tensor]:
-        """Each active parameter's step count on its device, where the fused kernels read it."""
-        on_host = [a.step for a in active]
+    def _fill_new_state(active: list[_Active], new_slots: dict[Tensor, Slot]) -> None:
+        """Zero the moments in freshly allocated slots; a master copy (bf16/fp16 parameters)
+        starts as the parameter itself. Fresh memory: nothing of the current state changes."""
+        for a in active:
+            if a.param in new_slots:
+                for key in a.slot.arena.keys:
+                    if key == MASTER_KEY:
+                        a.slot.view(key).copy_(a.flat_param)
+                    else:
+                        a.slot.view(key).zero_()
+
+    @staticmethod
+    def _steps_on_devices(active: list[_Active], steps: list[Tensor]) -> list[Tensor]:
+        """The step counts ``steps`` on each parameter's device, where the fused kernels read
+        them (new tensors: the host counts are advanced only once the update runs)."""
         devices = {a.param.device for a in active}
         if devices == {torch.device("cpu")}:
-            return on_host
-        stacked = torch.stack(on_host)
+            return steps
+        stacked = torch.stack(steps)
         if torch.cuda.is_available():  # pinned, so the copy does not wait for the device
             stacked = stacked.pin_memory()
         copies = {d: stacked.to(d, non_blocking=True) for d in devices}
@@ -294,6 +320,7 @@ class OffloadAdamW(torch.optim.AdamW):
         views: dict[str, Tensor],
         active: list[_Active],
         steps: list[Tensor],
+        hyper: list[Hyperparameters],
     ) -> None:
         """Apply AdamW to one chunk whose state is in ``views``, one kernel call per param group."""
         calls: dict[int, _KernelLists] = {}
@@ -302,36 +329,30 @@ class OffloadAdamW(torch.optim.AdamW):
             if a.group not in calls:
                 calls[a.group] = _KernelLists()
             lists = calls[a.group]
-            lists.add(
-                a,
-                seg.start,
-                seg.stop,
-                slice(seg.offset, seg.offset + seg.stop - seg.start),
-            )
+            lists.add(a, seg.start, seg.stop, slice(seg.offset, seg.offset + seg.stop - seg.start))
             lists.steps.append(steps[seg.index])
+        with_master = MASTER_KEY in chunk.arena.keys
         for g, lists in calls.items():
-            group = self.param_groups[g]
+            h = hyper[g]
             targets, grads = lists.params, lists.grads
-            with_master = MASTER_KEY in chunk.arena.keys
             if with_master:  # bf16/fp16 params: update the fp32 master, then round
                 targets = [views[MASTER_KEY][s] for s in lists.state]
                 grads = [views[GRAD_KEY][s] for s in lists.state]
                 torch._foreach_copy_(grads, lists.grads)
-            beta1, beta2 = group["betas"]
             adamw_update(
                 targets,
                 grads,
                 [views["exp_avg"][s] for s in lists.state],
                 [views["exp_avg_sq"][s] for s in lists.state],
-                [views["max_exp_avg_sq"][s] for s in lists.state] if group["amsgrad"] else [],
+                [views["max_exp_avg_sq"][s] for s in lists.state] if h.amsgrad else [],
                 lists.steps,
-                lr=group["lr"],
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                amsgrad=group["amsgrad"],
-                maximize=group["maximize"],
+                lr=h.lr,
+                beta1=h.beta1,
+                beta2=h.beta2,
+                eps=h.eps,
+                weight_decay=h.weight_decay,
+                amsgrad=h.amsgrad,
+                maximize=h.maximize,
             )
             if with_master:
                 torch._foreach_copy_(lists.params, targets)
@@ -343,6 +364,8 @@ class OffloadAdamW(torch.optim.AdamW):
 
         The moments are fp32 views of the host buffers, as torch returns references to its state.
         """
+        if self.enabled:
+            self._refuse_if_interrupted()
         return super().state_dict()  # the offloaded state is added by _add_offloaded_state
 
     @staticmethod
@@ -366,89 +389,103 @@ class OffloadAdamW(torch.optim.AdamW):
 
         Moments are copied straight into host buffers as fp32 (never through the device, never
         cast to a bf16 parameter's dtype). State keys may be ints or parameter names, as long as
-        the param groups list the same keys. The dict is checked whole before anything changes.
+        the param groups list the same keys. Load pre-hooks run first and may edit anything;
+        then the dict is checked whole, and a refused dict leaves the optimizer unchanged.
+        Post-hooks run last and see the loaded state. Loading also clears the refusal that
+        follows an interrupted step.
         """
         if not self.enabled:
             super().load_state_dict(state_dict)
             return
-        matched = self._match_loaded(state_dict)
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        state_dict = state_dict.copy()  # shallow, as torch's: hooks may edit it
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        matched = match_loaded_state(state_dict, self.param_groups)
         self._pipeline.wait_host()  # the entries may be views of this optimizer's own buffers
-        host = HostState(self.pin_memory)
-        host.allocate([(param, state_keys(param, amsgrad)) for param, _, amsgrad in matched])
-        for param, entry, _ in matched:
-            slot = host.slots[param]
+        slots = self._host.allocate(
+            [(m.param, state_keys(m.param, m.amsgrad)) for m in matched]
+        )
+        for m in matched:
+            slot = slots[m.param]
             for key in slot.arena.keys:
-                source = entry.get(key, param.detach() if key == MASTER_KEY else None)
+                source = m.entry.get(key, m.param.detach() if key == MASTER_KEY else None)
                 if source is not None:  # a torch AdamW checkpoint has no master copy
                     slot.view(key).copy_(slot.layout.flat(source))
         offloaded = (*MOMENT_KEYS, MASTER_KEY)
         stripped = {
             "state": {
                 index: {k: v for k, v in entry.items() if k not in offloaded}
+                if isinstance(entry, dict)
+                else entry
                 for index, entry in state_dict["state"].items()
             },
             "param_groups": state_dict["param_groups"],
         }
-        super().load_state_dict(stripped)
-        self._host = host
+        with self._load_hooks_suspended():  # they run here, around the whole load
+            super().load_state_dict(stripped)
+        self._host.replace(slots)
         self._plans.clear()
-        for state in self.state.values():  # a fused or capturable AdamW saves steps on its device
-            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device="cpu")
+        self._interrupted = None
+        for group in self.param_groups:
+            _record_fused(group)
+            for param in group["params"]:  # fused or capturable AdamW saves steps on the device
+                state = self.state.get(param)
+                if state and "step" in state:
+                    state["step"] = torch.as_tensor(
+                        state["step"], dtype=torch.float32, device="cpu"
+                    ).reshape(())
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
-    def _match_loaded(self, state_dict: Mapping[str, Any]) -> list[tuple[Tensor, dict, bool]]:
-        """Pair each saved state entry with its parameter, or raise naming what does not fit."""
-        if (
-            not isinstance(state_dict, Mapping)
-            or not {"state", "param_groups"} <= state_dict.keys()
-        ):
-            raise ValueError("an optimizer state dict needs the keys 'state' and 'param_groups'")
-        check_format_version(state_dict.get(FORMAT_KEY))
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        owner: dict[Any, tuple[Tensor, bool, str]] = {}
-        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"param group {g} of the loaded state dict has {len(saved['params'])} "
-                    f"parameters, this optimizer's has {len(group['params'])}"
-                )
-            for position, (key, param) in enumerate(
-                zip(saved["params"], group["params"], strict=True)
-            ):
-                owner[key] = (
-                    param,
-                    bool(saved.get("amsgrad", False)),
-                    _describe(g, position),
-                )
-        matched = []
-        for key, entry in state_dict["state"].items():
-            if key not in owner:
-                raise KeyError(f"loaded state has an entry for {key!r}, which no param group lists")
-            param, amsgrad, where = owner[key]
-            required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-            missing = [k for k in required if k not in entry]
-            if missing:
-                raise KeyError(f"loaded state for {where} (key {key!r}) is missing {missing}")
-            for name in (*MOMENT_KEYS, MASTER_KEY):
-                value = entry.get(name)
-                if value is None:
-                    continue
-                if not isinstance(value, Tensor) or value.shape != param.shape:
-                    found = tuple(value.shape) if isinstance(value, Tensor) else type(value)
-                    raise ValueError(
-                        f"loaded {name!r} for {where} has shape {found}, the parameter has "
-                        f"shape {tuple(param.shape)}"
-                    )
-                if value.is_complex() != param.is_complex():
-                    raise ValueError(
-                        f"loaded {name!r} for {where} is {value.dtype}, the parameter {param.dtype}"
-                    )
-            matched.append((param, entry, amsgrad))
-        return matched
+    @contextlib.contextmanager
+    def _load_hooks_suspended(self) -> Iterator[None]:
+        pre = self._optimizer_load_state_dict_pre_hooks
+        post = self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:
+            yield
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre
+            self._optimizer_load_state_dict_post_hooks = post
+
+    # ------------------------------------------------------------ copy and pickle
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's optimizer state, this optimizer's settings, and its host buffers whole (so
+        ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the optimizer keep the moments)."""
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in _SETTINGS})
+        if self.enabled:
+            self._pipeline.wait_host()
+            members: dict[int, list[tuple[Tensor, int]]] = {id(a): [] for a in self._host.arenas}
+            for param, slot in self._host.slots.items():
+                members[id(slot.arena)].append((param, slot.offset))
+            state["offloaded"] = [(a.buffers, members[id(a)]) for a in self._host.arenas]
+            state["interrupted"] = self._interrupted
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        offloaded = state.pop("offloaded", [])
+        interrupted = state.pop("interrupted", None)
+        super().__setstate__(state)
+        self._start_offload()
+        self._interrupted = interrupted
+        requests, sources = [], []
+        for buffers, members in offloaded:
+            for param, offset in members:
+                requests.append((param, tuple(buffers)))
+                sources.append((param, buffers, offset))
+        slots = self._host.allocate(requests)
+        for param, buffers, offset in sources:  # into buffers of its own, never aliased
+            slot = slots[param]
+            for key, buffer in buffers.items():
+                slot.view(key).copy_(buffer[offset : offset + slot.layout.numel])
+        self._host.adopt(slots)
 
     # ------------------------------------------------------------ inspection
     def offloaded_state(self, param: Tensor) -> dict[str, Tensor]:
@@ -474,16 +511,27 @@ class OffloadAdamW(torch.optim.AdamW):
         return self._pipeline.last_record
 
     def memory_stats(self) -> dict[str, int | bool]:
-        """Host memory the offloaded state uses.
+        """Memory the optimizer holds, in bytes.
 
         ``state_bytes``: logical bytes of state (what would otherwise sit on the device);
-        ``host_bytes``: bytes the host buffers occupy; ``pinned``: whether they are page-locked.
+        ``host_bytes``: bytes the host buffers occupy (page-rounded when pinned);
+        ``pinned``: whether they are page-locked; ``staging_bytes``: staging buffers and fp32
+        gradient scratch, on the parameters' devices (on the host for CPU parameters).
         """
         return {
             "state_bytes": self._host.logical_bytes,
             "host_bytes": self._host.allocated_bytes,
             "pinned": self._host.pinned,
+            "staging_bytes": self._pipeline.staging_bytes,
         }
+
+
+def _record_fused(group: dict[str, Any]) -> None:
+    """Mark a group ``fused=True`` (the kernel this optimizer runs) where torch's fused AdamW
+    could take over its parameters, so a ``torch.optim.AdamW`` loading the saved groups runs
+    that kernel too instead of its default implementation."""
+    if all(p.is_floating_point() for p in group["params"]):
+        group["fused"] = True
 
 
 class _KernelLists:

@@ -1,18 +1,25 @@
 """Optimizer state in a few large host buffers, one flat buffer per state key.
 
-Parameters that share a device, a state dtype and a set of state keys are laid out one after
-another in an *arena*; a parameter's state is a slice of each of the arena's buffers. Chunks of
-consecutive parameters are therefore contiguous slices, moved with one copy per key.
+Parameters that share a device, a state dtype, a set of state keys and realness are laid out one
+after another in an *arena*; a parameter's state is a slice of each of the arena's buffers.
+Chunks of consecutive parameters are therefore contiguous slices, moved with one copy per key.
+Complex parameters get arenas of their own, so every complex slot starts at an even offset and
+its real view can be viewed as complex again.
 
-Buffers are pinned (page-locked) when asked. On CUDA an ordinary allocation is registered with
-the runtime instead of using torch's pinned allocator, which rounds every allocation up to a
-power of two (up to 2x the host RAM for one large buffer).
+Buffers of staged parameters are pinned (page-locked) when asked. On CUDA an allocation of our
+own, page-aligned and rounded up to whole pages, is registered with the runtime: torch's pinned
+allocator rounds every allocation up to a power of two (up to 2x the host RAM), and registering
+an ordinary allocation that shares a page with another registered one fails. When pinning fails
+(memlock limits, containers that cap pinned memory) the state stays in pageable memory, with one
+warning.
 """
 
 from __future__ import annotations
 
+import mmap
+import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +29,10 @@ from torch import Tensor
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 #: The fp32 copy of a bf16/fp16 parameter that the update is computed on.
 MASTER_KEY = "master_param"
+
+PAGE_SIZE = mmap.PAGESIZE
+#: One cudaHostRegister call fails at 512 GiB or more: larger buffers are registered in pieces.
+MAX_REGISTRATION_BYTES = 256 << 30
 
 
 def state_dtype(param: Tensor) -> torch.dtype:
@@ -83,38 +94,84 @@ class ParamLayout:
         return torch.view_as_complex(real) if self.dtype.is_complex else real
 
     def describe(self) -> str:
-        return f"shape {tuple(self.shape)}, dtype {self.dtype}, device {self.device}"
-
-
-def _register_pinned(buffer: Tensor, device: torch.device) -> None:
-    """Page-lock an ordinary host allocation in place, for every CUDA context (portable)."""
-    cudart = torch.cuda.cudart()
-    nbytes = buffer.numel() * buffer.element_size()
-    with torch.cuda.device(device):
-        error = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 1))  # Portable
-    if error != 0:
-        raise RuntimeError(
-            f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the optimizer state "
-            f"(cudaHostRegister error {error}); the locked-memory limit (ulimit -l) may be too "
-            "low. Pass pin_memory=False to keep the state in pageable memory (slower copies)."
+        return (
+            f"shape {tuple(self.shape)}, strides {self.stride}, dtype {self.dtype}, "
+            f"device {self.device}"
         )
 
 
-def _release_pinned(pointers: list[int], in_flight: list[torch.Event | None]) -> None:
-    """Finalizer: wait for the last copy into the buffers, then unregister them."""
+# ------------------------------------------------------------------------------ pinned memory
+def _cuda_host_register(pointer: int, nbytes: int, device: torch.device) -> int:
+    """cudaHostRegister(Portable): page-lock a host range for every CUDA context."""
+    with torch.cuda.device(device):
+        return int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 1))
+
+
+def _cuda_host_unregister(pointer: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
+def registered_empty(
+    numel: int,
+    dtype: torch.dtype,
+    register: Callable[[int, int], int],
+    unregister: Callable[[int], None] = _cuda_host_unregister,
+) -> tuple[Tensor, list[int]]:
+    """A flat host buffer whose pages belong to it alone, registered with ``register``.
+
+    The raw allocation has a page of slack so that a page-aligned, page-rounded range fits
+    inside it: no other allocation shares a registered page (registering a page twice fails).
+    Ranges of :data:`MAX_REGISTRATION_BYTES` or more are registered in pieces. Returns the buffer
+    and the registered pointers; raises ``RuntimeError`` naming the error (nothing stays
+    registered then).
+    """
+    nbytes = numel * dtype.itemsize
+    rounded = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+    raw = torch.empty(rounded + PAGE_SIZE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE_SIZE
+    aligned = raw[start : start + rounded]
+    registered: list[int] = []
+    for offset in range(0, rounded, MAX_REGISTRATION_BYTES):
+        pointer = aligned.data_ptr() + offset
+        error = register(pointer, min(MAX_REGISTRATION_BYTES, rounded - offset))
+        if error != 0:
+            for done in registered:
+                unregister(done)
+            raise RuntimeError(
+                f"cudaHostRegister of {rounded / 2**30:.2f} GiB failed with error {error}"
+            )
+        registered.append(pointer)
+    return aligned[:nbytes].view(dtype), registered
+
+
+def _pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[int]]:
+    """A pinned host buffer for state staged to ``device``; raises when it cannot be pinned."""
+    if device.type == "cuda":
+        return registered_empty(numel, dtype, lambda p, n: _cuda_host_register(p, n, device))
+    # Other accelerators: torch's pinned allocator (rounds sizes up to a power of two).
+    return torch.empty(numel, dtype=dtype, pin_memory=True), []
+
+
+def _release_pinned(
+    pointers: list[int], in_flight: list[torch.Event | None], keep_alive: list[Tensor]
+) -> None:
+    """Finalizer: wait for the last copy into the buffers, then unregister them.
+
+    ``keep_alive`` holds the buffers, so their memory outlives the registration.
+    """
     if in_flight[0] is not None:
         in_flight[0].synchronize()
-    cudart = torch.cuda.cudart()
     for pointer in pointers:
-        cudart.cudaHostUnregister(pointer)
+        _cuda_host_unregister(pointer)
+    keep_alive.clear()
 
 
 class Arena:
     """Host buffers, one per state key, for parameters laid out one after another.
 
-    Buffers of parameters on an accelerator are pinned when ``pin`` (those of CPU parameters
-    never are: nothing is copied). Copies still writing into them when the arena is dropped are
-    waited for before the memory is unpinned and freed.
+    ``pin`` asks for page-locked buffers; :attr:`pinned` says whether they are. Copies still
+    writing into pinned buffers when the arena is dropped are waited for before the memory is
+    unpinned and freed. Raises ``RuntimeError`` if pinning was asked for and failed.
     """
 
     def __init__(
@@ -132,21 +189,25 @@ class Arena:
         for layout in layouts:
             self.offsets.append(self.numel)
             self.numel += layout.numel
-        self.pinned = pin and self.device.type != "cpu"
+        self.pinned = pin
         self._in_flight: list[torch.Event | None] = [None]
-        registered: list[int] = []
-        if self.pinned and self.device.type == "cuda" and self.numel:
-            weakref.finalize(self, _release_pinned, registered, self._in_flight)
         self.buffers: dict[str, Tensor] = {}
-        for key in keys:
-            if not self.pinned or self.numel == 0:
+        if not pin or self.numel == 0:
+            for key in keys:
                 self.buffers[key] = torch.empty(self.numel, dtype=dtype)
-            elif self.device.type == "cuda":
-                self.buffers[key] = torch.empty(self.numel, dtype=dtype)
-                _register_pinned(self.buffers[key], self.device)
-                registered.append(self.buffers[key].data_ptr())
-            else:  # other accelerators: torch's pinned allocator (rounds sizes up)
-                self.buffers[key] = torch.empty(self.numel, dtype=dtype, pin_memory=True)
+            return
+        registered: list[int] = []
+        try:
+            for key in keys:
+                self.buffers[key], pointers = _pinned_empty(self.numel, dtype, self.device)
+                registered.extend(pointers)
+        except BaseException:
+            for pointer in registered:
+                _cuda_host_unregister(pointer)
+            raise
+        if registered:
+            buffers = list(self.buffers.values())
+            weakref.finalize(self, _release_pinned, registered, self._in_flight, buffers)
 
     def written_by(self, event: torch.Event | None) -> None:
         """Note the copy that last writes into the buffers (waited for before they are freed)."""
@@ -177,30 +238,85 @@ class Slot:
             self._flat_param = (pointer, self.layout.flat(param))
         return self._flat_param[1]
 
+    def relayout(self, param: Tensor) -> None:
+        """Reorder the state to ``param``'s new strides (same shape, dtype and device).
+
+        The state stays in the parameter's memory order, so the fused kernel sees parameter,
+        gradient and state element for element. Values are unchanged.
+        """
+        new = ParamLayout.of(param)
+        for key in self.arena.keys:
+            view = self.view(key)
+            view.copy_(new.flat(self.layout.unflat(view).clone()))
+        self.layout = new
+        self._flat_param = None
+
 
 class HostState:
-    """All offloaded state of one optimizer, keyed by parameter."""
+    """All offloaded state of one optimizer, keyed by parameter.
 
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
+    ``pin_for(device)`` says whether state staged to ``device`` should be pinned. The first
+    failure to pin warns once and keeps this optimizer's later buffers pageable too.
+    """
+
+    def __init__(self, pin_for: Callable[[torch.device], bool]) -> None:
+        self.pin_for = pin_for
+        self.pin_failed = False
         self.slots: dict[Tensor, Slot] = {}
         self.arenas: list[Arena] = []
 
-    def allocate(self, requests: Sequence[tuple[Tensor, tuple[str, ...]]]) -> None:
-        """Lay out new parameters, one arena per (device, dtype, keys), contents undefined."""
+    def allocate(self, requests: Sequence[tuple[Tensor, tuple[str, ...]]]) -> dict[Tensor, Slot]:
+        """Lay out new parameters, one arena per kind; contents undefined.
+
+        The slots are not part of this state until :meth:`adopt`, so a step that fails after
+        allocating leaves the state as it was.
+        """
         by_kind: dict[tuple, list[Tensor]] = {}
         for param, keys in requests:
-            by_kind.setdefault((param.device, state_dtype(param), keys), []).append(param)
+            kind = (param.device, state_dtype(param), keys, param.is_complex())
+            by_kind.setdefault(kind, []).append(param)
         new_slots: dict[Tensor, Slot] = {}
-        new_arenas = []
-        for (_, dtype, keys), params in by_kind.items():
+        for (device, dtype, keys, _), params in by_kind.items():
             layouts = [ParamLayout.of(p) for p in params]
-            arena = Arena(layouts, keys, dtype, self.pin)
-            new_arenas.append(arena)
+            arena = self._arena(layouts, keys, dtype, device)
             for param, layout, offset in zip(params, layouts, arena.offsets, strict=True):
                 new_slots[param] = Slot(arena, offset, layout)
-        self.slots.update(new_slots)
-        self.arenas.extend(new_arenas)
+        return new_slots
+
+    def _arena(
+        self, layouts: list[ParamLayout], keys: tuple[str, ...], dtype: torch.dtype, device
+    ) -> Arena:
+        if self.pin_failed or not self.pin_for(device):
+            return Arena(layouts, keys, dtype, pin=False)
+        try:
+            return Arena(layouts, keys, dtype, pin=True)
+        except RuntimeError as error:
+            self.pin_failed = True
+            warnings.warn(
+                f"OffloadAdamW could not pin host memory for its state ({error}); keeping it "
+                "in pageable memory, so host<->device copies are slower and do not overlap "
+                "compute. Raise the locked-memory limit (ulimit -l, or the container's) or pass "
+                "pin_memory=False to silence this. OffloadMonitor logs host_pinned=0.",
+                stacklevel=5,
+            )
+            return Arena(layouts, keys, dtype, pin=False)
+
+    def adopt(self, slots: dict[Tensor, Slot]) -> None:
+        """Make allocated slots part of this state; free arenas no slot uses any more."""
+        self.slots.update(slots)
+        used = {id(slot.arena) for slot in self.slots.values()}
+        known = {id(arena) for arena in self.arenas}
+        self.arenas = [a for a in self.arenas if id(a) in used]
+        for slot in slots.values():
+            if id(slot.arena) not in known:
+                known.add(id(slot.arena))
+                self.arenas.append(slot.arena)
+
+    def replace(self, slots: dict[Tensor, Slot]) -> None:
+        """Make ``slots`` the whole state (a loaded checkpoint); free the arenas of the old one."""
+        self.slots = {}
+        self.arenas = []
+        self.adopt(slots)
 
     @property
     def logical_bytes(self) -> int:
@@ -211,7 +327,7 @@ class HostState:
 
     @property
     def allocated_bytes(self) -> int:
-        """Host bytes the buffers occupy (>= logical_bytes when slots were dropped)."""
+        """Host bytes the buffers occupy (more than logical_bytes by page rounding when pinned)."""
         return sum(a.allocated_bytes for a in self.arenas)
 
     @property

@@ -56,25 +56,28 @@ class Chunk:
         return {key: buf[self.start : self.stop] for key, buf in self.arena.buffers.items()}
 
 
-def plan_chunks(slots: Sequence[Slot], chunk_numel: int) -> list[Chunk]:
+def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]) -> list[Chunk]:
     """Cut the state of the active parameters (``slots``, in step order) into chunks.
 
-    Parameters are taken in memory order; a gap (a parameter without a gradient this step)
-    starts a new chunk, so no state is moved that is not updated. A parameter larger than the
-    room left is split at a multiple of :data:`SPLIT_ALIGNMENT` from its start.
+    ``chunk_numel`` bounds the chunks, for all arenas or per arena. Parameters are taken in
+    memory order; a gap (a parameter without a gradient this step) starts a new chunk, so no
+    state is moved that is not updated. A parameter larger than the room left is split at a
+    multiple of :data:`SPLIT_ALIGNMENT` from its start.
     """
+    limit = chunk_numel if callable(chunk_numel) else lambda arena: chunk_numel
     order = sorted(range(len(slots)), key=lambda i: (id(slots[i].arena), slots[i].offset))
     chunks: list[Chunk] = []
     current: Chunk | None = None
     for index in order:
         slot = slots[index]
+        bound = limit(slot.arena)
         done = 0
         while done < slot.layout.numel:
             position = slot.offset + done
             contiguous = (
                 current is not None and current.arena is slot.arena and current.stop == position
             )
-            room = chunk_numel - current.numel if contiguous else 0
+            room = bound - current.numel if contiguous else 0
             take = slot.layout.numel - done
             if take > room:
                 take = room - room % SPLIT_ALIGNMENT
@@ -117,7 +120,8 @@ class StagingPipeline:
         """Allocate every buffer the chunks need, before anything is mutated.
 
         Buffers hold the largest chunk (at most ``chunk_numel``), so a small model does not
-        reserve full-size staging.
+        reserve full-size staging. Staged devices get ``num_buffers`` sets; chunks updated in
+        place on the host need one gradient scratch at most (they run one after another).
         """
         needed: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
         for chunk in chunks:
@@ -125,18 +129,28 @@ class StagingPipeline:
             for key in self._staged_keys(chunk):
                 sizes[key] = max(sizes.get(key, 0), chunk.numel)
         for (device, dtype), sizes in needed.items():
+            if not sizes:
+                continue
             streams = self._streams_for(device)
-            buffers = self._buffers.setdefault(
-                (device, dtype), [{} for _ in range(self.num_buffers)]
-            )
+            count = self.num_buffers if self.stages(device) else 1
+            buffers = self._buffers.setdefault((device, dtype), [])
+            buffers.extend({} for _ in range(count - len(buffers)))
             for buffer in buffers:
                 for key, numel in sizes.items():
                     if key in buffer and buffer[key].numel() >= numel:
                         continue
                     buffer[key] = torch.empty(numel, dtype=dtype, device=device)
-                    if streams.is_async:  # used on the copy streams: not reused until they are done
-                        buffer[key].record_stream(streams.copy_in)
-                        buffer[key].record_stream(streams.copy_out)
+                    streams.used_by_copies(buffer[key])
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffers and gradient scratch held, on every device."""
+        return sum(
+            t.untyped_storage().nbytes()
+            for buffers in self._buffers.values()
+            for buffer in buffers
+            for t in buffer.values()
+        )
 
     def _staged_keys(self, chunk: Chunk) -> tuple[str, ...]:
         """The buffers a chunk needs: its state keys when staged, and a gradient scratch when
@@ -165,10 +179,12 @@ class StagingPipeline:
             streams.wait(streams.copy_in, self._host_ready.get(device))
         for index, chunk in enumerate(chunks):
             kind = (chunk.arena.device, chunk.arena.dtype)
-            number = index % self.num_buffers
-            buffer = self._buffers[kind][number]
-            views = {key: buffer[key][: chunk.numel] for key in self._staged_keys(chunk)}
-            if chunk.arena.device in staged:
+            is_staged = chunk.arena.device in staged
+            number = index % self.num_buffers if is_staged else 0
+            keys = self._staged_keys(chunk)
+            buffer = self._buffers[kind][number] if keys else {}
+            views = {key: buffer[key][: chunk.numel] for key in keys}
+            if is_staged:
                 self._run_staged(chunk, views, update, number, record)
             else:
                 update(chunk, views | chunk.host_views())

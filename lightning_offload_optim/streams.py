@@ -3,15 +3,27 @@
 On an accelerator the host->device copies, the update and the device->host copies run on three
 streams ordered by events, so chunk ``i + 1`` loads while chunk ``i`` computes and chunk ``i - 1``
 drains. On the CPU every stream and event operation is a no-op and the same pipeline code runs
-in program order.
+in program order. The test suite swaps in simulated streams (:func:`device_module` is the seam)
+that check the ordering on the CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
 
 import torch
+
+
+def device_module(device: torch.device) -> ModuleType | Any | None:
+    """The module whose ``Stream``, ``Event``, ``stream()`` and ``current_stream()`` serve
+    ``device``; ``None`` where work runs in program order (the CPU, devices without streams)."""
+    if device.type == "cpu":
+        return None
+    module = torch.get_device_module(device)
+    return module if hasattr(module, "Stream") else None
 
 
 class PipelineStreams:
@@ -23,18 +35,16 @@ class PipelineStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        module = torch.get_device_module(device) if device.type != "cpu" else None
-        # Devices whose module has no streams (MPS) run the pipeline in program order.
-        self.is_async = module is not None and hasattr(module, "Stream")
+        self._module = device_module(device)
+        self.is_async = self._module is not None
         self.copy_in: torch.Stream | None = None
         self.copy_out: torch.Stream | None = None
-        if self.is_async:
-            self._module = module
-            self.copy_in = module.Stream(device)
-            self.copy_out = module.Stream(device)
+        if self._module is not None:
+            self.copy_in = self._module.Stream(device)
+            self.copy_out = self._module.Stream(device)
 
     def compute(self) -> torch.Stream | None:
-        return self._module.current_stream(self.device) if self.is_async else None
+        return self._module.current_stream(self.device) if self._module is not None else None
 
     @contextlib.contextmanager
     def on(self, stream: torch.Stream | None) -> Iterator[None]:
@@ -58,3 +68,10 @@ class PipelineStreams:
         """Make ``stream`` wait for ``event`` on the device, without blocking the host."""
         if stream is not None and event is not None:
             stream.wait_event(event)
+
+    def used_by_copies(self, tensor: torch.Tensor) -> None:
+        """Tell the caching allocator that the copy streams use ``tensor`` (allocated on the
+        compute stream), so its memory is not reused before their work is done."""
+        for stream in (self.copy_in, self.copy_out):
+            if isinstance(stream, torch.Stream):
+                tensor.record_stream(stream)

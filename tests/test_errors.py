@@ -71,9 +71,8 @@ def test_sparse_gradient_is_refused_before_any_update():
     [
         (lambda p: torch.randn(3, 3), r"is now shape \(3, 3\)"),
         (lambda p: p.detach().double(), "dtype torch.float64"),
-        (lambda p: p.detach().t().contiguous().t(), r"changed since its optimizer state"),
     ],
-    ids=["shape", "dtype", "strides"],
+    ids=["shape", "dtype"],
 )
 def test_parameter_changed_between_steps_is_refused(new_data, message):
     """A device change is covered in test_cuda.py (this machine has one device)."""
@@ -149,7 +148,7 @@ def corrupt(state_dict: dict, how: str) -> dict:
     [
         ("groups", ValueError, "has 2 parameter groups, this optimizer has 1"),
         ("params", ValueError, "param group 0 of the loaded state dict has 4 parameters"),
-        ("shape", ValueError, r"'exp_avg' for parameter 1 of param group 0 has shape \(6,\)"),
+        ("shape", ValueError, r"'exp_avg' for parameter 1 of param group 0 \(key 1\) has shape \(6,\)"),
         (
             "missing",
             KeyError,

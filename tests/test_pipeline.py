@@ -19,8 +19,8 @@ def test_chunks_cover_each_active_element_once_within_bounds(seed):
     rng = random.Random(seed)
     shapes = [(rng.randint(1, 700),) for _ in range(rng.randint(1, 12))]
     params = make_params(shapes)
-    host = HostState(pin=False)
-    host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params])
+    host = HostState(pin_for=lambda device: False)
+    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
     active = [i for i in range(len(params)) if rng.random() < 0.7]
     chunk_numel = SPLIT_ALIGNMENT * rng.randint(1, 6)
     chunks = plan_chunks([host.slots[params[i]] for i in active], chunk_numel)
@@ -46,8 +46,8 @@ def test_chunks_cover_each_active_element_once_within_bounds(seed):
 
 def test_inactive_parameters_split_chunks_so_their_state_is_not_moved():
     params = make_params([(10,), (10,), (10,)])
-    host = HostState(pin=False)
-    host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params])
+    host = HostState(pin_for=lambda device: False)
+    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
     chunks = plan_chunks([host.slots[params[0]], host.slots[params[2]]], 1024)
     assert [(c.start, c.stop) for c in chunks] == [(0, 10), (20, 30)]
 

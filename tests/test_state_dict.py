@@ -21,14 +21,6 @@ def save_and_load(state_dict: dict) -> dict:
     return torch.load(buffer, weights_only=True)
 
 
-def load_into_fused_torch(torch_opt: torch.optim.AdamW, state_dict: dict) -> None:
-    """torch's load takes every hyperparameter from the checkpoint, ``fused=None`` included;
-    switch the fused kernel back on so torch stays the bit-exact reference."""
-    torch_opt.load_state_dict(state_dict)
-    for group in torch_opt.param_groups:
-        group["fused"] = True
-
-
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 @pytest.mark.parametrize(
     ("before", "after"),
@@ -49,10 +41,9 @@ def test_resume_matches_uninterrupted_run(mode, before, after, amsgrad):
     step_together([first, reference], [params, uninterrupted], generator, 3)
     checkpoint = save_and_load(first.state_dict())
     second = make(after, params)
-    if after == "torch":
-        load_into_fused_torch(second, checkpoint)
-    else:
-        second.load_state_dict(checkpoint)
+    # torch's load takes every hyperparameter from the checkpoint, ``fused`` included: saved
+    # groups say fused=True, so torch stays on the fused kernel and exact.
+    second.load_state_dict(checkpoint)
     step_together([second, reference], [params, uninterrupted], generator, 3)
     assert_same(params, uninterrupted)
     assert_same(
@@ -67,7 +58,7 @@ def test_state_dict_matches_torch_format():
     params = make_params()
     reference = clone_params(params)
     offload = OffloadAdamW(params, amsgrad=True)
-    torch_opt = torch.optim.AdamW(reference, amsgrad=True)
+    torch_opt = torch.optim.AdamW(reference, amsgrad=True, fused=True)
     generator = torch.Generator().manual_seed(1)
     step_together([offload, torch_opt], [params, reference], generator, 2, skip=lambda i: i == 2)
     ours, theirs = offload.state_dict(), torch_opt.state_dict()
@@ -89,7 +80,7 @@ def test_parameter_names_as_state_keys():
     step_together([offload], [params], generator, 2)
     reference = clone_params(params)
     torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
-    load_into_fused_torch(torch_opt, offload.state_dict())
+    torch_opt.load_state_dict(offload.state_dict())
     # torch.distributed.checkpoint keys state by fully qualified parameter names.
     saved = offload.state_dict()
     names = {i: f"layer{i}.weight" for i in range(len(params))}
@@ -180,7 +171,7 @@ def test_state_dict_waits_for_staged_writes_and_survives_later_steps_as_torch_do
     snapshot = save_and_load(offload.state_dict())
     reference = clone_params(params)
     torch_opt = torch.optim.AdamW(reference, fused=True)
-    load_into_fused_torch(torch_opt, snapshot)
+    torch_opt.load_state_dict(snapshot)
     step_together([offload, torch_opt], [params, reference], generator, 2)
     assert_same(params, reference)
 

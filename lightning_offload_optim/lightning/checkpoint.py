@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from lightning_offload_optim.adamw import FORMAT_VERSION, OffloadAdamW, check_format_version
+from lightning_offload_optim.adamw import OffloadAdamW
+from lightning_offload_optim.validation import FORMAT_VERSION, check_format_version
 
 #: Checkpoint key holding the metadata.
 CHECKPOINT_KEY = "lightning_offload_optim"

@@ -1,0 +1,252 @@
+"""Checks made before anything changes: hyperparameters, gradients, and loaded state dicts.
+
+Each check raises an error that names the param group, the parameter and the key at fault, so
+:class:`~lightning_offload_optim.OffloadAdamW` can refuse bad input before its first mutation.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_offload_optim.host_state import MASTER_KEY, MOMENT_KEYS
+
+#: Version of the layout of offloaded state in ``state_dict()`` (key :data:`FORMAT_KEY`). A newer
+#: one is refused on load; older ones, and torch AdamW state dicts without the key, load.
+FORMAT_VERSION = 1
+FORMAT_KEY = "offload_format_version"
+#: Keys of per-parameter state, used to tell a parameter's entry from other saved state.
+PER_PARAM_KEYS = frozenset({"step", *MOMENT_KEYS, MASTER_KEY})
+
+
+def describe(group: int, position: int) -> str:
+    return f"parameter {position} of param group {group}"
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# ------------------------------------------------------------------------------ hyperparameters
+@dataclass(frozen=True)
+class Hyperparameters:
+    """One param group's AdamW hyperparameters, checked."""
+
+    lr: float | Tensor
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+
+
+def group_hyperparameters(group: Mapping[str, Any], index: int) -> Hyperparameters:
+    """Check a param group's hyperparameters (they may have been edited by hand) and return them.
+
+    Example:
+        >>> group_hyperparameters({"lr": None, "betas": (0.9, 0.99)}, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: param group 1 has lr=None (NoneType); lr must be a finite number >= 0 or a 1-element tensor
+    """
+    where = f"param group {index}"
+    lr = group.get("lr")
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(f"{where} has lr={_kind(lr)}; a tensor lr must be 1-element float")
+    elif not (_is_number(lr) and math.isfinite(lr) and lr >= 0):
+        raise ValueError(
+            f"{where} has lr={_kind(lr)}; lr must be a finite number >= 0 or a 1-element tensor"
+        )
+    betas = group.get("betas")
+    if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
+        raise ValueError(f"{where} has betas={betas!r}; betas must be a pair (beta1, beta2)")
+    checked = []
+    for i, beta in enumerate(betas):
+        if isinstance(beta, Tensor) and beta.numel() == 1 and beta.is_floating_point():
+            beta = float(beta)
+        if not (_is_number(beta) and 0.0 <= beta < 1.0):
+            raise ValueError(f"{where} has betas[{i}]={_kind(beta)}; it must be in [0, 1)")
+        checked.append(float(beta))
+    for name in ("eps", "weight_decay"):
+        value = group.get(name)
+        if not (_is_number(value) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{where} has {name}={_kind(value)}; it must be a finite number >= 0")
+    for name in ("amsgrad", "maximize"):
+        if not isinstance(group.get(name), bool):
+            raise ValueError(f"{where} has {name}={_kind(group.get(name))}; it must be a bool")
+    return Hyperparameters(
+        lr,
+        checked[0],
+        checked[1],
+        float(group["eps"]),
+        float(group["weight_decay"]),
+        group["amsgrad"],
+        group["maximize"],
+    )
+
+
+# ------------------------------------------------------------------------------ gradients
+def check_gradient(param: Tensor, group: int, position: int) -> None:
+    """Refuse what the fused kernel cannot take, before anything is modified."""
+    grad = param.grad
+    assert grad is not None
+    where = describe(group, position)
+    if grad.is_sparse:
+        raise RuntimeError(
+            f"OffloadAdamW does not support sparse gradients ({where}); use "
+            "torch.optim.SparseAdam for sparse embeddings"
+        )
+    if type(param).__name__ == "DTensor" or type(grad).__name__ == "DTensor":
+        raise RuntimeError(
+            f"OffloadAdamW does not support DTensor parameters yet ({where}): FSDP2 and "
+            "ModelParallel shard parameters as DTensors"
+        )
+    if (grad.dtype, grad.device, grad.shape) != (param.dtype, param.device, param.shape):
+        raise RuntimeError(
+            f"the gradient of {where} is {grad.dtype} of shape {tuple(grad.shape)} on "
+            f"{grad.device}, the parameter {param.dtype} of shape {tuple(param.shape)} on "
+            f"{param.device}; they must match"
+        )
+
+
+# ------------------------------------------------------------------------------ state dicts
+def check_format_version(version: Any, written_by: str = "") -> None:
+    """Refuse offloaded state written in a newer format than this installation reads."""
+    if version is None:
+        return
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(
+            f"malformed offloaded optimizer state{written_by}: its format version is "
+            f"{_kind(version)}; format versions are integers >= 1"
+        )
+    if version > FORMAT_VERSION:
+        raise RuntimeError(
+            f"This offloaded optimizer state has format version {version}{written_by}; this "
+            f"installation of lightning-offload-optim reads versions up to {FORMAT_VERSION}. "
+            "Upgrade lightning-offload-optim to load it."
+        )
+
+
+@dataclass
+class LoadedEntry:
+    """A saved per-parameter state entry, matched to its parameter and checked."""
+
+    param: Tensor
+    entry: Mapping[str, Any]
+    amsgrad: bool
+
+
+def _check_step(value: Any, where: str) -> None:
+    if isinstance(value, Tensor):
+        ok = (
+            value.numel() == 1
+            and value.device.type != "meta"
+            and (value.is_floating_point() or value.dtype in (torch.int32, torch.int64))
+        )
+    else:
+        ok = _is_number(value)
+    if not ok or not (math.isfinite(float(value)) and float(value) >= 0):
+        raise ValueError(
+            f"loaded 'step' for {where} is {_kind(value)}; expected a finite number >= 0 or a "
+            "1-element tensor holding one"
+        )
+
+
+def _check_tensor(name: str, value: Any, param: Tensor, where: str) -> None:
+    expected = f"a tensor of shape {tuple(param.shape)}"
+    if not isinstance(value, Tensor):
+        raise ValueError(f"loaded {name!r} for {where} is {_kind(value)}; expected {expected}")
+    if value.shape != param.shape:
+        raise ValueError(
+            f"loaded {name!r} for {where} has shape {tuple(value.shape)}, the parameter has "
+            f"shape {tuple(param.shape)}"
+        )
+    if value.is_complex() != param.is_complex() or not (
+        value.is_floating_point() or value.is_complex()
+    ):
+        raise ValueError(
+            f"loaded {name!r} for {where} is {value.dtype}, the parameter {param.dtype}"
+        )
+    if value.device.type == "meta":
+        raise ValueError(f"loaded {name!r} for {where} is on the meta device: it holds no values")
+
+
+def match_loaded_state(
+    state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]]
+) -> list[LoadedEntry]:
+    """Pair each saved state entry with its parameter, or raise naming what does not fit.
+
+    Checks the whole dict (layout, groups, keys, every tensor and step count) so that loading
+    can change nothing until it is known to succeed. Entries for keys no param group lists are
+    left to torch's loading, which keeps them as they are, unless they look like a parameter's
+    state (then the checkpoint is for another model, and that is an error).
+    """
+    if (
+        not isinstance(state_dict, Mapping)
+        or not {"state", "param_groups"} <= state_dict.keys()
+    ):
+        raise ValueError("an optimizer state dict needs the keys 'state' and 'param_groups'")
+    check_format_version(state_dict.get(FORMAT_KEY))
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, Sequence) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), Sequence) for g in saved_groups
+    ):
+        raise ValueError("the loaded 'param_groups' must be a list of dicts with a 'params' list")
+    if not isinstance(saved_state, Mapping):
+        raise ValueError(f"the loaded 'state' must be a dict, got {type(saved_state).__name__}")
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
+            f"{len(param_groups)}"
+        )
+    owner: dict[Any, tuple[Tensor, bool, str]] = {}
+    for g, (saved, group) in enumerate(zip(saved_groups, param_groups, strict=True)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"param group {g} of the loaded state dict has {len(saved['params'])} "
+                f"parameters, this optimizer's has {len(group['params'])}"
+            )
+        for position, (key, param) in enumerate(zip(saved["params"], group["params"], strict=True)):
+            if key in owner:
+                raise ValueError(
+                    f"the loaded param groups list the parameter key {key!r} twice ({owner[key][2]} "
+                    f"and {describe(g, position)}); each key must name one parameter"
+                )
+            owner[key] = (param, bool(saved.get("amsgrad", False)), describe(g, position))
+    matched = []
+    for key, entry in saved_state.items():
+        if key not in owner:
+            if isinstance(entry, Mapping) and entry.keys() & PER_PARAM_KEYS:
+                raise KeyError(f"loaded state has an entry for {key!r}, which no param group lists")
+            continue
+        param, amsgrad, where = owner[key]
+        where = f"{where} (key {key!r})"
+        if not isinstance(entry, Mapping):
+            raise ValueError(
+                f"loaded state for {where} is {_kind(entry)}; expected a dict of state such as "
+                "'step', 'exp_avg' and 'exp_avg_sq'"
+            )
+        required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+        missing = [k for k in required if k not in entry]
+        if missing:
+            raise KeyError(f"loaded state for {where} is missing {missing}")
+        _check_step(entry["step"], where)
+        for name in (*MOMENT_KEYS, MASTER_KEY):
+            if name in entry:
+                _check_tensor(name, entry[name], param, where)
+        matched.append(LoadedEntry(param, entry, amsgrad))
+    return matched
