@@ -100,7 +100,12 @@ class ParamLayout:
         )
 
 
-# ------------------------------------------------------------------------------ pinned memory
+# ------------------------------------------------------------------------------ allocation
+def host_empty(numel: int, dtype: torch.dtype) -> Tensor:
+    """A pageable host buffer for state (the tests' stream checker watches this seam)."""
+    return torch.empty(numel, dtype=dtype)
+
+
 def _cuda_host_register(pointer: int, nbytes: int, device: torch.device) -> int:
     """cudaHostRegister(Portable): page-lock a host range for every CUDA context."""
     with torch.cuda.device(device):
@@ -194,7 +199,7 @@ class Arena:
         self.buffers: dict[str, Tensor] = {}
         if not pin or self.numel == 0:
             for key in keys:
-                self.buffers[key] = torch.empty(self.numel, dtype=dtype)
+                self.buffers[key] = host_empty(self.numel, dtype)
             return
         registered: list[int] = []
         try:

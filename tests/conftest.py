@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from stream_checker import StreamChecker
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -15,6 +16,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def stream_order(request: pytest.FixtureRequest):
+    """Every CPU test runs under the stream-ordering checker: the staged pipeline gets simulated
+    streams, and any conflicting access without an ordering event fails the test."""
+    if request.node.get_closest_marker("cuda") or request.node.get_closest_marker(
+        "no_stream_check"
+    ):
+        yield None
+        return
+    with StreamChecker() as checker:
+        yield checker
+    checker.expect_none()
 
 
 SHAPES = [(300, 7), (5,), (1000,), (13, 17), (2, 3, 4, 5)]

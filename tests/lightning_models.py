@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,6 +24,16 @@ def torch_reference(args: dict[str, Any]) -> torch.optim.AdamW:
     optimizer = torch.optim.AdamW(**args, fused=True)
     optimizer._step_supports_amp_scaling = False
     return optimizer
+
+
+def reference_lr_factor(warmup: int, total: int | None, min_ratio: float, step: int) -> float:
+    """The documented warm-up + cosine schedule, written out here independently of the mixin."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if total is None:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi * progress)) / 2
 
 
 def make_data(n: int = 16, seed: int = 0) -> TensorDataset:
@@ -71,19 +83,27 @@ class TinyModel(OffloadOptimizerMixin, pl.LightningModule):
             args.update(force_staging=True, chunk_size=64)
         return args
 
+    def reference_param_groups(self) -> list[dict[str, Any]]:
+        """What the mixin should build, listed by hand: decay for the Linear weights only."""
+        linear1, norm, _, linear2 = self.net
+        return [
+            {"params": [linear1.weight, linear2.weight]},
+            {"params": [linear1.bias, norm.weight, norm.bias, linear2.bias], "weight_decay": 0.0},
+        ]
+
     def configure_optimizers(self) -> Any:
-        config = super().configure_optimizers()
-        if self.hparams.optimizer == "offload":
-            return config
-        reference = torch_reference(self.offload_optimizer_args())
-        if isinstance(config, dict):  # the same schedule, on the reference optimizer
-            scheduler = config["lr_scheduler"]["scheduler"]
-            config["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(
-                reference, scheduler.lr_lambdas[0]
-            )
-            config["optimizer"] = reference
-            return config
-        return reference
+        hp = self.hparams
+        if hp.optimizer == "offload":
+            return super().configure_optimizers()
+        reference = torch_reference(
+            {"params": self.reference_param_groups(), "lr": hp.lr, "weight_decay": hp.weight_decay}
+        )
+        if hp.warmup_steps <= 0 and hp.lr_schedule is None:
+            return reference
+        total = int(self.trainer.estimated_stepping_batches) if hp.lr_schedule == "cosine" else None
+        factor = functools.partial(reference_lr_factor, hp.warmup_steps, total, 0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(reference, factor)
+        return {"optimizer": reference, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class ManualModel(TinyModel):

@@ -28,7 +28,7 @@ def test_ddp_two_processes_match_torch_adamw(tmp_path):
         assert_same(result["offload"]["params"], result["torch"]["params"])
         assert_same(result["offload"]["resumed"], result["torch"]["resumed"])
         assert result["offload"]["steps"] == 4
-        # Logged every 2 steps, reduced over both ranks: each value covers 2 x 2 steps.
-        assert result["offload"]["interval_steps"] == 4.0
+        # Logged every 2 steps, reduced over both ranks: each value covers 2 steps per rank.
+        assert result["offload"]["interval_steps"] == 2.0
     # DDP keeps the replicas identical.
     assert_same(ranks[0]["offload"]["params"], ranks[1]["offload"]["params"])

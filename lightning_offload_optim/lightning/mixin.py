@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import weakref
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -14,8 +16,9 @@ from lightning_offload_optim.lightning.checkpoint import (
     check_metadata,
     offload_metadata,
 )
+from lightning_offload_optim.lightning.schedule import LINKED_GROUP_KEY, WarmupCosineLR
 
-#: Modules whose weights are normalisation scales (not decayed by default).
+#: torch's normalisation modules (their weights are not decayed by default).
 NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
     torch.nn.modules.batchnorm._NormBase,
     torch.nn.LayerNorm,
@@ -23,6 +26,26 @@ NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
     torch.nn.LocalResponseNorm,
     torch.nn.RMSNorm,
 )
+#: Class names of normalisation modules outside torch.nn: LlamaRMSNorm, T5LayerNorm,
+#: FusedRMSNorm, LayerNorm2d, GroupNorm32, LayerNormalization...
+NORM_CLASS_NAME = re.compile(r"norm(alization)?\d*d?$", re.IGNORECASE)
+
+
+def is_norm_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` normalises: a torch norm class, or any class named like one."""
+    return isinstance(module, NORM_TYPES) or bool(NORM_CLASS_NAME.search(type(module).__name__))
+
+
+def no_decay_parameters(model: torch.nn.Module) -> set[int]:
+    """Ids of the parameters spared from weight decay: biases (``bias``, ``*_bias``) and norm
+    weights (every parameter of a norm module, and parameters whose own name says ``norm``)."""
+    spared = set()
+    for module in model.modules():
+        norm = is_norm_module(module)
+        for name, param in module.named_parameters(recurse=False):
+            if norm or name == "bias" or name.endswith("_bias") or "norm" in name.lower():
+                spared.add(id(param))
+    return spared
 
 
 class OffloadOptimizerMixin:
@@ -39,7 +62,8 @@ class OffloadOptimizerMixin:
     ``betas``                 (0.9, 0.999)  or ``beta1`` / ``beta2``
     ``eps``                   1e-8
     ``amsgrad``               False
-    ``no_decay_norm_and_bias``  True        no weight decay for biases and norm weights
+    ``no_decay_norm_and_bias``  True        no weight decay for biases and norm weights,
+                                            also in groups added later (BaseFinetuning)
     ``warmup_steps``          0             linear warm-up steps; > 0 turns the schedule on
     ``lr_schedule``           None          ``"cosine"``: warm-up then cosine decay over
                                             ``trainer.estimated_stepping_batches``
@@ -49,7 +73,11 @@ class OffloadOptimizerMixin:
     ``offload_enabled``       True          False gives plain ``torch.optim.AdamW`` behaviour
     ========================  ============  ================================================
 
-    Override :meth:`offload_optimizer_args` to change groups or arguments.
+    Norm weights are those of torch's norm modules, of any module whose class name ends in
+    ``Norm`` (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``...), and parameters whose own
+    name contains ``norm``. Override :meth:`offload_optimizer_args` to change groups or
+    arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
+    run follows the current Trainer's length.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -102,17 +130,13 @@ class OffloadOptimizerMixin:
     def offload_param_groups(self) -> list[dict[str, Any]]:
         """Trainable parameters in two groups: decayed, and biases/norm weights without decay."""
         assert isinstance(self, torch.nn.Module)
-        if not self.offload_hparam("no_decay_norm_and_bias"):
-            return [{"params": [p for p in self.parameters() if p.requires_grad]}]
-        no_decay_ids = set()
-        for module in self.modules():
-            for name, param in module.named_parameters(recurse=False):
-                if isinstance(module, NORM_TYPES) or name == "bias" or name.endswith("_bias"):
-                    no_decay_ids.add(id(param))
         params = [p for p in self.parameters() if p.requires_grad]
+        if not self.offload_hparam("no_decay_norm_and_bias"):
+            return [{"params": params}]
+        spared = no_decay_parameters(self)
         groups = [
-            {"params": [p for p in params if id(p) not in no_decay_ids]},
-            {"params": [p for p in params if id(p) in no_decay_ids], "weight_decay": 0.0},
+            {"params": [p for p in params if id(p) not in spared]},
+            {"params": [p for p in params if id(p) in spared], "weight_decay": 0.0},
         ]
         return [g for g in groups if g["params"]]
 
@@ -135,6 +159,9 @@ class OffloadOptimizerMixin:
     def configure_optimizers(self) -> Any:
         """OffloadAdamW, with the warm-up/cosine schedule when the hyperparameters ask for it."""
         optimizer = OffloadAdamW(**self.offload_optimizer_args())
+        if self.offload_hparam("no_decay_norm_and_bias"):
+            assert isinstance(self, torch.nn.Module)
+            split_groups_added_later(optimizer, self)
         warmup = int(self.offload_hparam("warmup_steps"))
         schedule = self.offload_hparam("lr_schedule")
         if schedule not in (None, "cosine", "constant"):
@@ -151,8 +178,8 @@ class OffloadOptimizerMixin:
                     "needs the module attached to a Trainer with max_steps or max_epochs set"
                 )
             total = int(estimate)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, WarmupCosine(warmup, total, float(self.offload_hparam("min_lr_ratio")))
+        scheduler = WarmupCosineLR(
+            optimizer, warmup, total, float(self.offload_hparam("min_lr_ratio"))
         )
         return {
             "optimizer": optimizer,
@@ -169,18 +196,29 @@ class OffloadOptimizerMixin:
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
 
 
-class WarmupCosine:
-    """LambdaLR multiplier (an object, so it pickles): linear from 0 to 1 over ``warmup``
-    steps, then cosine to ``min_ratio`` at ``total`` steps; 1 after warm-up if ``total`` is None.
-    """
+def split_groups_added_later(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    """Make ``optimizer.add_param_group`` spare biases and norm weights of ``model`` from weight
+    decay, as the mixin's own groups do: a group added later (``BaseFinetuning`` unfreezing a
+    backbone) becomes a decayed and a ``weight_decay=0`` group, linked so that an lr set by hand
+    on one (``BackboneFinetuning``) reaches both."""
+    add = optimizer.add_param_group
+    model_ref = weakref.ref(model)  # the optimizer must not keep the model alive
 
-    def __init__(self, warmup: int, total: int | None, min_ratio: float) -> None:
-        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+    def add_param_group(param_group: dict[str, Any]) -> None:
+        model = model_ref()
+        params = param_group.get("params")
+        if model is None or isinstance(params, torch.Tensor) or params is None:
+            return add(param_group)
+        params = list(params)
+        existing = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        decay = param_group.get("weight_decay", optimizer.defaults["weight_decay"])
+        spared = no_decay_parameters(model)
+        kept = [p for p in params if isinstance(p, torch.Tensor) and id(p) in spared]
+        decayed = [p for p in params if not (isinstance(p, torch.Tensor) and id(p) in spared)]
+        if decay == 0 or not kept or not decayed or any(id(p) in existing for p in params):
+            return add({**param_group, "params": params})  # torch's checks and errors apply
+        link = 1 + max((g.get(LINKED_GROUP_KEY, -1) for g in optimizer.param_groups), default=-1)
+        add({**param_group, "params": decayed, LINKED_GROUP_KEY: link})
+        add({**param_group, "params": kept, "weight_decay": 0.0, LINKED_GROUP_KEY: link})
 
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        if self.total is None:
-            return 1.0
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]

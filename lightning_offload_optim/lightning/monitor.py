@@ -27,22 +27,28 @@ class OffloadMonitor(Callback):
 
     Values go through ``LightningModule.log_dict``, so every logger (TensorBoard, CSV, MLflow,
     W&B) receives them, at the Trainer's ``log_every_n_steps``. Between logs they are aggregated
-    with torchmetrics (mean, max, sums) and reduced across ranks when logged. Timings come from
+    with torchmetrics (sums and a max) and reduced across ranks when logged. Timings come from
     CUDA events read only when a value is logged (no synchronisation on other steps), or from the
-    wall clock on the CPU. Metrics, under ``prefix`` (default ``offload/``):
+    wall clock on the CPU. Units: ms, bytes, and GB = 1e9 bytes. Every figure describes one rank:
+    times and bandwidths are means over the steps of all ranks, ``step_ms_max`` is the slowest
+    step of any rank, the rest are this rank's own (under DDP every rank holds the same state, so
+    the host holds ``world_size`` times ``host_bytes``). Metrics, under ``prefix`` (default
+    ``offload/``):
 
     ============================  ======  ==========================================================
     name                          unit    meaning
     ============================  ======  ==========================================================
     ``h2d_ms`` / ``d2h_ms``       ms      host→device / device→host copy time per optimizer step
-    ``h2d_gbps`` / ``d2h_gbps``   GB/s    achieved copy bandwidth (bytes / copy time, 1 GB = 1e9 B)
+    ``h2d_gbps`` / ``d2h_gbps``   GB/s    achieved copy bandwidth (bytes / copy time)
     ``step_ms`` / ``step_ms_max``  ms     optimizer step time, mean / max since the last log
     ``memory_saved_bytes``        bytes   optimizer state held on the host instead of the device
     ``host_bytes``                bytes   host memory the state buffers occupy
-    ``host_pinned``               0/1     whether those buffers are page-locked
+    ``host_pinned``               0/1     whether those buffers are page-locked (0 after a fallback)
+    ``staging_bytes``             bytes   the optimizer's staging buffers and gradient scratch
     ``peak_device_bytes``         bytes   ``torch.cuda.max_memory_allocated`` (CUDA only)
-    ``total_moved_bytes``         bytes   state bytes copied both ways since the run began
-    ``interval_steps``            count   optimizer steps the values cover, summed over ranks
+    ``total_moved_bytes``         bytes   state bytes copied both ways, over every fit of this
+                                          monitor and across resumes (restored from checkpoints)
+    ``interval_steps``            count   optimizer steps per rank the values cover
     ============================  ======  ==========================================================
 
     On a CPU-only run parameters and state share the host: no copies are made (``h2d_ms`` is 0)
@@ -155,6 +161,7 @@ class OffloadMonitor(Callback):
         self._interval.to(pl_module.device)
         totals, slowest = self._interval.compute()
         sums = dict(zip(COUNTERS, totals.tolist(), strict=True))
+        world_size = max(1, pl_module.trainer.world_size)
         self._interval.reset()
         self._interval.to("cpu")
         memory = [opt.memory_stats() for opt in self._optimizers]
@@ -163,8 +170,9 @@ class OffloadMonitor(Callback):
             f"{p}memory_saved_bytes": float(sum(m["state_bytes"] for m in memory)),
             f"{p}host_bytes": float(sum(m["host_bytes"] for m in memory)),
             f"{p}host_pinned": float(all(m["pinned"] for m in memory)),
+            f"{p}staging_bytes": float(sum(m["staging_bytes"] for m in memory)),
             f"{p}total_moved_bytes": self.totals["bytes_in"] + self.totals["bytes_out"],
-            f"{p}interval_steps": sums["steps"],
+            f"{p}interval_steps": sums["steps"] / world_size,
         }
         per_step = _per_step(sums)  # an interval whose steps were all skipped logs zeros
         logged |= {f"{p}{name}": value for name, value in per_step.items()}
@@ -183,20 +191,22 @@ class OffloadMonitor(Callback):
             rank_zero_info(self.summary_text())
 
     def summary_text(self) -> str:
-        """A few lines on memory saved and what it cost, over the whole run (resumes included)."""
+        """A few lines on memory saved and what it cost, on this rank, over every fit of this
+        monitor (resumes included). GB = 1e9 bytes, as in the metric names."""
         t = self.totals
         per_step = _per_step(t)
         saved = sum(opt.memory_stats()["state_bytes"] for opt in self._optimizers)
         head = (
-            f"OffloadMonitor: {saved / 2**30:.2f} GiB of optimizer state kept in host memory "
-            f"over {int(t['steps'])} optimizer steps; optimizer step "
+            f"OffloadMonitor: {saved / 1e9:.3f} GB of optimizer state kept in host memory "
+            f"(this rank); {int(t['steps'])} optimizer steps so far, "
             f"{per_step['step_ms']:.1f} ms/step."
         )
         if t["bytes_in"] == 0:
             return head + "\n  No copies: parameters and state share host memory (CPU training)."
         return head + (
             f"\n  host->device {per_step['h2d_ms']:.1f} ms/step ({per_step['h2d_gbps']:.1f} GB/s), "
-            f"device->host {per_step['d2h_ms']:.1f} ms/step ({per_step['d2h_gbps']:.1f} GB/s)."
+            f"device->host {per_step['d2h_ms']:.1f} ms/step ({per_step['d2h_gbps']:.1f} GB/s); "
+            f"{(t['bytes_in'] + t['bytes_out']) / 1e9:.3f} GB moved."
         )
 
     def state_dict(self) -> dict[str, Any]:

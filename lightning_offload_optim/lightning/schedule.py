@@ -1,0 +1,131 @@
+"""The mixin's learning-rate schedule: linear warm-up, then cosine decay (or constant).
+
+A step-wise :class:`~torch.optim.lr_scheduler.LRScheduler` that keeps working when training
+changes under it: param groups added mid-training (``BaseFinetuning`` unfreezing a backbone),
+learning rates set by hand between steps (``BackboneFinetuning``), and a resumed run whose
+Trainer plans more (or fewer) steps than the run that wrote the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+#: Param groups that share a value under this key take a hand-set learning rate together (the
+#: decayed and non-decayed halves the mixin splits an added group into).
+LINKED_GROUP_KEY = "lr_link"
+_SHAPE = ("warmup_steps", "total_steps", "min_lr_ratio")
+
+
+class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
+    """Multiply each group's base lr by :meth:`factor` of the step.
+
+    The factor rises linearly over ``warmup_steps`` (``(step + 1) / warmup_steps``, so the first
+    step already trains), then falls along a half cosine from 1 at step ``warmup_steps`` to
+    ``min_lr_ratio`` at step ``total_steps`` and stays there; with ``total_steps=None`` it
+    stays 1 after the warm-up. Steps count optimizer steps from 0.
+
+    - A group added after the scheduler was made follows the schedule from where it is: its base
+      lr is its lr when first seen divided by the factor then in effect.
+    - A learning rate set by hand between steps is kept and scheduled from there the same way
+      (and given to the groups linked to it by :data:`LINKED_GROUP_KEY`).
+    - ``load_state_dict`` restores the progress and base lrs, but keeps this scheduler's shape:
+      a resumed run follows the Trainer's current length, with a warning when it changed.
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        >>> schedule = WarmupCosineLR(opt, warmup_steps=2, total_steps=6)
+        >>> lrs = [opt.param_groups[0]["lr"]]
+        >>> for _ in range(6):
+        ...     opt.step()
+        ...     schedule.step()
+        ...     lrs.append(round(opt.param_groups[0]["lr"], 3))
+        >>> lrs
+        [0.5, 1.0, 1.0, 0.854, 0.5, 0.146, 0.0]
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_steps: int,
+        total_steps: int | None,
+        min_lr_ratio: float = 0.0,
+        last_epoch: int = -1,
+    ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if total_steps is not None and total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1 or None, got {total_steps}")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.min_lr_ratio = min_lr_ratio
+        self._written: list[float] = []  # the lr this scheduler last gave each group
+        super().__init__(optimizer, last_epoch)
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the base lr at ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def get_lr(self) -> list[float]:
+        groups = self.optimizer.param_groups
+        in_effect = self.factor(self.last_epoch - 1) if self.last_epoch > 0 else 1.0
+        rebased: dict[Any, float] = {}  # link -> hand-set lr
+        for i, group in enumerate(groups):
+            added = i >= len(self.base_lrs)
+            edited = i < len(self._written) and float(group["lr"]) != self._written[i]
+            if added or edited:
+                lr = float(group["lr"])
+                if added:
+                    self.base_lrs.append(lr)
+                if edited and LINKED_GROUP_KEY in group:
+                    rebased[group[LINKED_GROUP_KEY]] = lr
+                self._rebase(i, lr, in_effect)
+        for i, group in enumerate(groups):  # linked groups take a hand-set lr together
+            link = group.get(LINKED_GROUP_KEY)
+            if link in rebased and float(group["lr"]) != rebased[link]:
+                self._rebase(i, rebased[link], in_effect)
+        self._written = [base * self.factor(self.last_epoch) for base in self.base_lrs]
+        return list(self._written)
+
+    def _rebase(self, index: int, lr: float, in_effect: float) -> None:
+        """Schedule group ``index`` from ``lr``, set while ``in_effect`` was the factor."""
+        base = lr / in_effect if in_effect > 0 else lr
+        self.base_lrs[index] = base
+        self.optimizer.param_groups[index]["initial_lr"] = base
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore progress and base lrs; keep this scheduler's shape (the current run's)."""
+        state = dict(state_dict)
+        saved = {name: state.pop(name) for name in _SHAPE if name in state}
+        legacy = state.pop("lr_lambdas", None)  # written by LambdaLR(WarmupCosine) in 0.1
+        if legacy and isinstance(legacy[0], dict) and "total" in legacy[0]:
+            saved = {
+                "warmup_steps": legacy[0].get("warmup"),
+                "total_steps": legacy[0].get("total"),
+                "min_lr_ratio": legacy[0].get("min_ratio"),
+            }
+        super().load_state_dict(state)
+        groups = self.optimizer.param_groups
+        if "_written" not in state:
+            self._written = [float(g["lr"]) for g in groups]
+        current = {name: getattr(self, name) for name in _SHAPE}
+        if saved and saved != current:
+            rank_zero_warn(
+                f"WarmupCosineLR: the checkpoint's schedule was {saved}, this run's is {current} "
+                "(the Trainer's max_steps or max_epochs changed); the learning rate now follows "
+                "this run's schedule from the restored step."
+            )
+            self._written = [base * self.factor(self.last_epoch) for base in self.base_lrs]
+            for group, lr in zip(groups, self._written, strict=False):
+                group["lr"] = lr
+            self._last_lr = [g["lr"] for g in groups]

@@ -1,0 +1,290 @@
+"""Simulated streams and a happens-before checker for the staging pipeline, on the CPU.
+
+On the CPU every stream and event of the pipeline is a no-op and work runs in program order, so
+a missing wait cannot show up in a result. Under :class:`StreamChecker` the CPU gets simulated
+streams and events instead (through ``streams.device_module``), the work still runs at once, and
+every aten op is recorded (a ``TorchDispatchMode``) with the byte ranges it reads and writes, the
+stream it is queued on, and a vector clock. Two accesses to overlapping bytes, at least one a
+write, conflict unless an ordering path joins them: program order on one stream, an event
+recorded on one stream and waited for by another, the host waiting for an event, or the host
+queuing work after its own accesses. That is the model of CUDA streams that the pipeline relies
+on (torch's ``torch.cuda._sanitizer`` applies it to whole storages; here ranges are tracked,
+because chunks are slices of a few large buffers).
+
+Memory is the host's if ``host_state.host_empty`` allocated it (the optimizer's host buffers);
+everything else counts as device memory. An op touching only host memory runs on the host; any
+other op is queued on the current simulated stream, and the host waits for it when it touches
+host memory without ``non_blocking=True`` (a synchronous copy) or returns a Python value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+HOST = 0
+Clock = dict[int, int]
+
+
+def _join(a: Clock, b: Clock) -> Clock:
+    return {k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()}
+
+
+class SimStream:
+    """A simulated stream: a vector clock that counts the work queued on it."""
+
+    def __init__(self, checker: StreamChecker, name: str) -> None:
+        self.checker = checker
+        self.id = next(checker.ids)
+        self.name = name
+        self.clock: Clock = {self.id: 0}
+
+    def wait_event(self, event: SimEvent) -> None:
+        if event.clock is not None:
+            self.clock = _join(self.clock, event.clock)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class SimEvent:
+    """A simulated event: the clock of its stream when recorded, and a wall-clock time."""
+
+    def __init__(self, checker: StreamChecker, enable_timing: bool = False) -> None:
+        self.checker = checker
+        self.clock: Clock | None = None
+        self.time = 0.0
+
+    def record(self, stream: SimStream | None = None) -> None:
+        stream = stream or self.checker.current
+        self.clock = dict(stream.clock)
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        if self.clock is not None:
+            self.checker.host = _join(self.checker.host, self.clock)
+
+    def query(self) -> bool:
+        self.synchronize()  # a completed event orders the host after it
+        return True
+
+    def elapsed_time(self, end: SimEvent) -> float:
+        return (end.time - self.time) * 1000
+
+
+class SimDeviceModule:
+    """What ``streams.device_module`` returns for the CPU under the checker."""
+
+    def __init__(self, checker: StreamChecker) -> None:
+        self.checker = checker
+        self.names = itertools.count(1)
+
+    def Stream(self, device: Any = None) -> SimStream:  # noqa: N802 (torch's spelling)
+        return SimStream(self.checker, f"side stream {next(self.names)}")
+
+    def Event(self, enable_timing: bool = False) -> SimEvent:  # noqa: N802
+        return SimEvent(self.checker, enable_timing)
+
+    def current_stream(self, device: Any = None) -> SimStream:
+        return self.checker.current
+
+    @contextlib.contextmanager
+    def stream(self, stream: SimStream) -> Iterator[None]:
+        previous, self.checker.current = self.checker.current, stream
+        try:
+            yield
+        finally:
+            self.checker.current = previous
+
+
+@dataclass
+class Access:
+    start: int
+    stop: int
+    write: bool
+    actor: int  # stream id, or HOST
+    tick: int  # the actor's clock value at this access
+    what: str
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, checker: StreamChecker) -> None:
+        super().__init__()
+        self.checker = checker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.checker.record_op(func, args, kwargs, out)
+        return out
+
+
+_VIEW_LIKE = {"detach", "alias", "_unsafe_view", "lift_fresh"}
+
+
+class StreamChecker:
+    """Check that every access the pipeline makes is ordered against conflicting ones.
+
+    Use as a context manager; :attr:`violations` lists what was found. ``expect_none()`` raises
+    with a readable report.
+    """
+
+    def __init__(self) -> None:
+        self.ids = itertools.count(1)
+        self.compute = SimStream(self, "compute stream")
+        self.current = self.compute
+        self.host: Clock = {HOST: 0}
+        self.host_storages: set[int] = set()
+        self.history: dict[int, list[Access]] = {}
+        self.violations: list[str] = []
+        self._stack = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------ set-up
+    def __enter__(self) -> StreamChecker:
+        # Imported here, not at the top: conftest imports this module before pytest's logging
+        # capture is set up, and importing Lightning then turns off its log propagation.
+        from lightning_offload_optim import host_state, streams
+
+        module = SimDeviceModule(self)
+        real_device_module = streams.device_module
+        real_host_empty = host_state.host_empty
+
+        def device_module(device: torch.device) -> Any:
+            return module if device.type == "cpu" else real_device_module(device)
+
+        def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            buffer = real_host_empty(numel, dtype)
+            key = buffer.untyped_storage().data_ptr()
+            self.host_storages.add(key)
+            self.history.pop(key, None)  # fresh host memory: no earlier users
+            return buffer
+
+        patch = self._stack.enter_context(_patch_context())
+        patch(streams, "device_module", device_module)
+        patch(host_state, "host_empty", host_empty)
+        self._stack.enter_context(_Recorder(self))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def expect_none(self) -> None:
+        if self.violations:
+            shown = "\n  ".join(self.violations[:10])
+            raise AssertionError(
+                f"{len(self.violations)} unordered conflicting accesses:\n  {shown}"
+            )
+
+    # ------------------------------------------------------------------ recording
+    def record_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        name = func._schema.name.split("::")[-1]
+        if func.is_view or name in _VIEW_LIKE:
+            return
+        accesses = []  # (tensor, write)
+        inputs = set()
+        for position, argument in enumerate(func._schema.arguments):
+            if position < len(args):
+                value = args[position]
+            elif argument.name in kwargs:
+                value = kwargs[argument.name]
+            else:
+                continue
+            write = argument.alias_info is not None and argument.alias_info.is_write
+            for tensor in _tensors(value):
+                accesses.append((tensor, write))
+                inputs.add(tensor.untyped_storage().data_ptr())
+        outputs = [t for t in _tensors(out) if t.untyped_storage().data_ptr() not in inputs]
+        tensors = [t for t, _ in accesses] + outputs
+        if not tensors:
+            return
+        touches_host = any(self._is_host(t) for t in tensors)
+        on_host = all(self._is_host(t) for t in tensors)
+        for tensor in outputs:  # fresh memory: forget what earlier owners of the bytes did
+            self.history.pop(tensor.untyped_storage().data_ptr(), None)
+            accesses.append((tensor, True))
+        if on_host:
+            self.host[HOST] += 1
+            actor, clock, where = HOST, self.host, "the host"
+        else:
+            stream = self.current
+            stream.clock = _join(stream.clock, self.host)  # queued after the host's past
+            stream.clock[stream.id] += 1
+            actor, clock, where = stream.id, stream.clock, stream.name
+        what = f"{name} on {where}"
+        for tensor, write in accesses:
+            self._access(tensor, write, actor, clock, what)
+        blocking = touches_host and not _non_blocking_copy(name, args, kwargs)
+        returns_value = any(isinstance(v, (bool, int, float, complex)) for v in tree_flatten(out)[0])
+        if not on_host and (blocking or returns_value):
+            self.host = _join(self.host, clock)  # the host waits for this op
+
+    def _is_host(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.host_storages
+
+    def _access(self, tensor: torch.Tensor, write: bool, actor: int, clock: Clock, what: str) -> None:
+        if tensor.numel() == 0:
+            return
+        size = tensor.element_size()
+        extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+        start = tensor.storage_offset() * size
+        stop = start + extent * size
+        key = tensor.untyped_storage().data_ptr()
+        history = self.history.setdefault(key, [])
+        kind = "host buffer" if key in self.host_storages else "device memory"
+        for earlier in history:
+            overlaps = earlier.start < stop and start < earlier.stop
+            if not overlaps or not (write or earlier.write):
+                continue
+            if clock.get(earlier.actor, 0) < earlier.tick:
+                self.violations.append(
+                    f"{what} {'writes' if write else 'reads'} {kind} bytes [{start}, {stop}) "
+                    f"that {earlier.what} {'wrote' if earlier.write else 'read'} "
+                    f"([{earlier.start}, {earlier.stop})) with no event ordering the two"
+                )
+        access = Access(start, stop, write, actor, clock[actor], what)
+        history[:] = [
+            a
+            for a in history
+            if not (
+                a.actor == actor
+                and start <= a.start
+                and a.stop <= stop
+                and (write or not a.write)
+            )
+        ]
+        history.append(access)
+
+
+def _non_blocking_copy(name: str, args: tuple, kwargs: dict) -> bool:
+    if name == "copy_":
+        return bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+    return name == "_to_copy" and bool(kwargs.get("non_blocking", False))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    leaves = tree_flatten(value)[0]
+    return [v for v in leaves if isinstance(v, torch.Tensor) and v.layout == torch.strided]
+
+
+@contextlib.contextmanager
+def _patch_context() -> Iterator[Any]:
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(target: Any, name: str, value: Any) -> None:
+        saved.append((target, name, getattr(target, name)))
+        setattr(target, name, value)
+
+    try:
+        yield patch
+    finally:
+        for target, name, value in reversed(saved):
+            setattr(target, name, value)
+

@@ -1,0 +1,132 @@
+"""The CPU stream-ordering checker sees every ordering step of the staging pipeline.
+
+Each wait, each event that orders data (not the timing ones) and each host synchronisation in
+``pipeline.py`` is removed in turn; the checker must report a conflicting access for every such
+mutant, and none for the pipeline as written.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_params, step_together
+from stream_checker import StreamChecker
+
+import lightning_offload_optim.pipeline
+from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim import adamw as adamw_module
+
+PIPELINE = Path(lightning_offload_optim.pipeline.__file__)
+
+
+def _is_call(node: ast.AST, owner: str | None, method: str) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == method
+        and (owner is None or (isinstance(node.func.value, ast.Name) and node.func.value.id == owner))
+    )
+
+
+def _ordering_targets(tree: ast.AST) -> list[ast.AST]:
+    """Statements that wait (``streams.wait``, ``event.synchronize()``) and data-ordering
+    ``streams.record`` calls (those without ``timing=True``)."""
+    targets: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and (
+            _is_call(node.value, "streams", "wait") or _is_call(node.value, None, "synchronize")
+        ):
+            targets.append(node)
+        elif _is_call(node, "streams", "record") and not any(
+            k.arg == "timing" for k in node.keywords
+        ):
+            targets.append(node)
+    return targets
+
+
+class _RemoveOne(ast.NodeTransformer):
+    def __init__(self, target: ast.AST) -> None:
+        self.target = target
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        if node is self.target:
+            return ast.Pass() if isinstance(node, ast.Expr) else ast.Constant(None)
+        return super().visit(node)
+
+
+def mutants() -> list[tuple[str, str]]:
+    source = PIPELINE.read_text()
+    found = []
+    for index in range(len(_ordering_targets(ast.parse(source)))):
+        tree = ast.parse(source)
+        target = _ordering_targets(tree)[index]
+        label = f"line {target.lineno}: {ast.unparse(target)}"
+        mutated = ast.fix_missing_locations(_RemoveOne(target).visit(tree))
+        found.append((label, ast.unparse(mutated)))
+    return found
+
+
+MUTANTS = mutants()
+
+
+def load_pipeline(source: str) -> types.ModuleType:
+    name = "lightning_offload_optim._pipeline_under_test"
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses look their module up
+    try:
+        exec(compile(source, str(PIPELINE), "exec"), module.__dict__)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def scenario() -> None:
+    """Staged steps that exercise every ordering of the pipeline, then reads of the host state.
+
+    Four 64-element parameters and 64-element chunks: four chunks alternate between the two
+    staging buffers, so buffers are reused within a step. The first step allocates the staging
+    buffers with nothing else ordering them before the first copy-in. The second step updates
+    only the last parameter, whose chunk then lands in the other buffer than before: only the
+    wait for the previous step's last copy-out orders its copy-in. bf16 parameters join later,
+    with a master copy and the gradient scratch.
+    """
+    fp32 = make_params([(64,), (64,), (64,), (64,)])
+    bf16 = make_params([(64,), (64,)], dtype=torch.bfloat16, seed=1)
+    params = fp32 + bf16
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64, amsgrad=True)
+    generator = torch.Generator().manual_seed(0)
+    step_together([opt], [params], generator, 1, skip=lambda i: i >= 4)
+    step_together([opt], [params], generator, 1, skip=lambda i: i != 3)
+    step_together([opt], [params], generator, 2)
+    for param in fp32 + bf16:
+        opt.offloaded_state(param)
+
+
+def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    monkeypatch.setattr(adamw_module, "StagingPipeline", pipeline.StagingPipeline)
+    with StreamChecker() as checker:
+        scenario()
+    return checker.violations
+
+
+def test_the_harness_finds_every_ordering_step():
+    """Five waits, four data-ordering events and one host wait today: a new one counts too."""
+    kinds = [label.split(": ", 1)[1].split("(")[0] for label, _ in MUTANTS]
+    assert sorted(kinds) == ["event.synchronize"] + ["streams.record"] * 4 + ["streams.wait"] * 5
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+def test_pipeline_as_written_is_ordered(monkeypatch):
+    assert run_checked(load_pipeline(PIPELINE.read_text()), monkeypatch) == []
+
+
+@pytest.mark.no_stream_check
+@pytest.mark.parametrize(("label", "source"), MUTANTS, ids=[label for label, _ in MUTANTS])
+def test_checker_fails_without_each_ordering_step(label, source, monkeypatch):
+    violations = run_checked(load_pipeline(source), monkeypatch)
+    assert violations, f"removing {label} went unnoticed"
