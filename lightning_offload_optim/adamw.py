@@ -406,9 +406,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 state_dict = result
         matched = match_loaded_state(state_dict, self.param_groups)
         self._pipeline.wait_host()  # the entries may be views of this optimizer's own buffers
-        slots = self._host.allocate(
-            [(m.param, state_keys(m.param, m.amsgrad)) for m in matched]
-        )
+        slots = self._host.allocate([(m.param, state_keys(m.param, m.amsgrad)) for m in matched])
         for m in matched:
             slot = slots[m.param]
             for key in slot.arena.keys:

@@ -57,10 +57,10 @@ def group_hyperparameters(group: Mapping[str, Any], index: int) -> Hyperparamete
     """Check a param group's hyperparameters (they may have been edited by hand) and return them.
 
     Example:
-        >>> group_hyperparameters({"lr": None, "betas": (0.9, 0.99)}, 1)
+        >>> group_hyperparameters({"lr": 0.1, "betas": (0.9, 0.99, 0.5)}, 1)
         Traceback (most recent call last):
         ...
-        ValueError: param group 1 has lr=None (NoneType); lr must be a finite number >= 0 or a 1-element tensor
+        ValueError: param group 1 has betas=(0.9, 0.99, 0.5); betas must be a pair (beta1, beta2)
     """
     where = f"param group {index}"
     lr = group.get("lr")
@@ -195,10 +195,7 @@ def match_loaded_state(
     left to torch's loading, which keeps them as they are, unless they look like a parameter's
     state (then the checkpoint is for another model, and that is an error).
     """
-    if (
-        not isinstance(state_dict, Mapping)
-        or not {"state", "param_groups"} <= state_dict.keys()
-    ):
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
         raise ValueError("an optimizer state dict needs the keys 'state' and 'param_groups'")
     check_format_version(state_dict.get(FORMAT_KEY))
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
@@ -223,8 +220,9 @@ def match_loaded_state(
         for position, (key, param) in enumerate(zip(saved["params"], group["params"], strict=True)):
             if key in owner:
                 raise ValueError(
-                    f"the loaded param groups list the parameter key {key!r} twice ({owner[key][2]} "
-                    f"and {describe(g, position)}); each key must name one parameter"
+                    f"the loaded param groups list the parameter key {key!r} twice "
+                    f"({owner[key][2]} and {describe(g, position)}); each key must name one "
+                    "parameter"
                 )
             owner[key] = (param, bool(saved.get("amsgrad", False)), describe(g, position))
     matched = []

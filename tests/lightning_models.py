@@ -103,7 +103,8 @@ class TinyModel(OffloadOptimizerMixin, pl.LightningModule):
         total = int(self.trainer.estimated_stepping_batches) if hp.lr_schedule == "cosine" else None
         factor = functools.partial(reference_lr_factor, hp.warmup_steps, total, 0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(reference, factor)
-        return {"optimizer": reference, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        schedule = {"scheduler": scheduler, "interval": "step"}
+        return {"optimizer": reference, "lr_scheduler": schedule}
 
 
 class ManualModel(TinyModel):

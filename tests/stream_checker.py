@@ -87,10 +87,10 @@ class SimDeviceModule:
         self.checker = checker
         self.names = itertools.count(1)
 
-    def Stream(self, device: Any = None) -> SimStream:  # noqa: N802 (torch's spelling)
+    def Stream(self, device: Any = None) -> SimStream:  # torch's spelling
         return SimStream(self.checker, f"side stream {next(self.names)}")
 
-    def Event(self, enable_timing: bool = False) -> SimEvent:  # noqa: N802
+    def Event(self, enable_timing: bool = False) -> SimEvent:
         return SimEvent(self.checker, enable_timing)
 
     def current_stream(self, device: Any = None) -> SimStream:
@@ -222,14 +222,17 @@ class StreamChecker:
         for tensor, write in accesses:
             self._access(tensor, write, actor, clock, what)
         blocking = touches_host and not _non_blocking_copy(name, args, kwargs)
-        returns_value = any(isinstance(v, (bool, int, float, complex)) for v in tree_flatten(out)[0])
+        values = tree_flatten(out)[0]
+        returns_value = any(isinstance(v, (bool, int, float, complex)) for v in values)
         if not on_host and (blocking or returns_value):
             self.host = _join(self.host, clock)  # the host waits for this op
 
     def _is_host(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self.host_storages
 
-    def _access(self, tensor: torch.Tensor, write: bool, actor: int, clock: Clock, what: str) -> None:
+    def _access(
+        self, tensor: torch.Tensor, write: bool, actor: int, clock: Clock, what: str
+    ) -> None:
         if tensor.numel() == 0:
             return
         size = tensor.element_size()
@@ -254,10 +257,7 @@ class StreamChecker:
             a
             for a in history
             if not (
-                a.actor == actor
-                and start <= a.start
-                and a.stop <= stop
-                and (write or not a.write)
+                a.actor == actor and start <= a.start and a.stop <= stop and (write or not a.write)
             )
         ]
         history.append(access)
@@ -287,4 +287,3 @@ def _patch_context() -> Iterator[Any]:
     finally:
         for target, name, value in reversed(saved):
             setattr(target, name, value)
-

@@ -148,7 +148,7 @@ def corrupt(state_dict: dict, how: str) -> dict:
     [
         ("groups", ValueError, "has 2 parameter groups, this optimizer has 1"),
         ("params", ValueError, "param group 0 of the loaded state dict has 4 parameters"),
-        ("shape", ValueError, r"'exp_avg' for parameter 1 of param group 0 \(key 1\) has shape \(6,\)"),
+        ("shape", ValueError, r"'exp_avg' for parameter 1 of param group 0 \(key 1\) has shape"),
         (
             "missing",
             KeyError,

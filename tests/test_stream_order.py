@@ -29,7 +29,7 @@ def _is_call(node: ast.AST, owner: str | None, method: str) -> bool:
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr == method
-        and (owner is None or (isinstance(node.func.value, ast.Name) and node.func.value.id == owner))
+        and (owner is None or getattr(node.func.value, "id", None) == owner)
     )
 
 
@@ -38,13 +38,13 @@ def _ordering_targets(tree: ast.AST) -> list[ast.AST]:
     ``streams.record`` calls (those without ``timing=True``)."""
     targets: list[ast.AST] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Expr) and (
+        waits = isinstance(node, ast.Expr) and (
             _is_call(node.value, "streams", "wait") or _is_call(node.value, None, "synchronize")
-        ):
-            targets.append(node)
-        elif _is_call(node, "streams", "record") and not any(
+        )
+        orders = _is_call(node, "streams", "record") and not any(
             k.arg == "timing" for k in node.keywords
-        ):
+        )
+        if waits or orders:
             targets.append(node)
     return targets
 

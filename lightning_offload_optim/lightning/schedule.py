@@ -73,8 +73,10 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
             return (step + 1) / self.warmup_steps
         if self.total_steps is None:
             return 1.0
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine
 
     def get_lr(self) -> list[float]:
         groups = self.optimizer.param_groups
