@@ -432,10 +432,9 @@ class OffloadAdamW(torch.optim.AdamW):
             _record_fused(group)
             for param in group["params"]:  # fused or capturable AdamW saves steps on the device
                 state = self.state.get(param)
-                if state and "step" in state:
-                    state["step"] = torch.as_tensor(
-                        state["step"], dtype=torch.float32, device="cpu"
-                    ).reshape(())
+                if state and "step" in state:  # a copy: steps advance in place
+                    step = torch.as_tensor(state["step"]).detach()
+                    state["step"] = step.to("cpu", torch.float32, copy=True).reshape(())
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

@@ -196,3 +196,35 @@ def test_step_and_monitor_do_not_synchronise_on_steps_that_are_not_logged(tmp_pa
     )
     fitted.fit(ManualModel())
     assert monitor.totals["steps"] == 5  # all read by the end of fit
+
+
+def test_many_tiny_arenas_next_to_large_ones_are_all_pinned():
+    """Small host buffers share heap pages; registering a page twice fails. A bf16 model with a
+    few fp32 parameters, amsgrad on one group, complex parameters: many small arenas, each
+    registered on pages of its own, and training matches the references."""
+    bf16 = make_params([(4096, 1024), (17,), (3,)], dtype=torch.bfloat16, device=CUDA)
+    fp32 = make_params([(5,), (1,), (2048, 512)], device=CUDA, seed=1)
+    complex_params = make_params([(3,), (2, 2)], dtype=torch.complex64, device=CUDA, seed=2)
+    groups = [
+        {"params": bf16},
+        {"params": fp32, "amsgrad": True},
+        {"params": complex_params},
+    ]
+    opt = OffloadAdamW(groups, chunk_size=CHUNK)
+    reference = clone_params(fp32)
+    torch_opt = torch.optim.AdamW(reference, amsgrad=True, fused=True)
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        set_grads([bf16 + fp32 + complex_params], generator)
+        for r, p in zip(reference, fp32, strict=True):
+            r.grad = p.grad.clone()
+        opt.step()
+        torch_opt.step()
+    assert_same(fp32, reference)
+    stats = opt.memory_stats()
+    assert stats["pinned"] and len(opt._host.arenas) >= 3
+    assert all(b.is_pinned() for a in opt._host.arenas for b in a.buffers.values())
+    page_slack = 2 * 4096 * sum(len(a.buffers) for a in opt._host.arenas)
+    assert stats["host_bytes"] <= stats["state_bytes"] + page_slack
+    del opt  # unregistering waits for in-flight copies and must not fail
+    torch.cuda.synchronize()

@@ -7,14 +7,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_same, make_params, set_grads, step_together
+from conftest import assert_same, clone_params, make_params, set_grads, step_together
 
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim import pipeline as pipeline_module
 
 
-def trained(steps: int = 2, **kwargs):
-    params = make_params()
+def trained(steps: int = 2, dtype: torch.dtype = torch.float32, **kwargs):
+    params = make_params(dtype=dtype)
     opt = OffloadAdamW(params, **kwargs)
     generator = torch.Generator().manual_seed(0)
     step_together([opt], [params], generator, steps)
@@ -227,3 +227,245 @@ def test_cleared_state_is_recreated_with_the_keys_now_needed():
     opt.step()
     torch_opt.step()
     assert_same(params, reference)
+
+
+# ----------------------------------------------------------------------------- all or nothing
+def twins(**kwargs):
+    """Two optimizers trained identically (same seeds), with the same next gradients set."""
+    return trained(**kwargs), trained(**kwargs)
+
+
+def assert_steps_like_twin(opt, params, twin, twin_params):
+    """After a refused call, the optimizer steps to the same numbers as its untouched twin."""
+    generator = torch.Generator().manual_seed(99)
+    step_together([opt, twin], [params, twin_params], generator, 2)
+    assert_same(params, twin_params)
+    assert_same(
+        [opt.state[p]["step"] for p in params], [twin.state[p]["step"] for p in twin_params]
+    )
+
+
+def three_groups(params):
+    return [{"params": params[:2]}, {"params": params[2:4]}, {"params": params[4:]}]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("lr", None, r"param group 2 has lr=None"),
+        ("lr", float("nan"), r"param group 2 has lr=nan"),
+        ("betas", (0.9, 0.99, 0.5), r"param group 2 has betas=\(0.9, 0.99, 0.5\)"),
+        ("betas", (1.0, 0.999), r"param group 2 has betas\[0\]=1.0"),
+        ("eps", -1e-8, r"param group 2 has eps=-1e-08"),
+        ("weight_decay", "0.1", r"param group 2 has weight_decay='0.1'"),
+        ("amsgrad", None, r"param group 2 has amsgrad=None"),
+    ],
+)
+@pytest.mark.parametrize("mode", [{}, {"force_staging": True, "chunk_size": 64}], ids=["direct", "staged"])
+def test_invalid_hyperparameter_in_a_later_group_changes_nothing(key, value, message, mode):
+    """Torch checks hyperparameters only at construction; hand-edited ones are checked at every
+    step, for all groups before the first update (groups 0 and 1 must not move)."""
+    params = make_params()
+    opt = OffloadAdamW(three_groups(params), **mode)
+    step_together([opt], [params], torch.Generator().manual_seed(0), 2)
+    set_grads([params], torch.Generator().manual_seed(1))
+    good = opt.param_groups[2][key]
+    opt.param_groups[2][key] = value
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert_unchanged(opt, params, before)
+    opt.param_groups[2][key] = good
+    reference = clone_params(params)
+    torch_opt = torch.optim.AdamW(three_groups(reference), fused=True)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # not views of our buffers
+    step_together([opt, torch_opt], [params, reference], torch.Generator().manual_seed(2), 2)
+    assert_same(params, reference)
+
+
+def test_gradient_of_transposed_shape_is_refused_before_any_update():
+    """Same number of elements, other shape: the flat views would line up, wrongly. (torch
+    refuses such a gradient when assigned; it arises when the parameter is reshaped after.)"""
+    opt, params = trained()
+    before = snapshot(opt, params)
+    params[0].data = params[0].data.reshape(7, 300)  # the gradient stays (300, 7)
+    with pytest.raises(RuntimeError, match=r"gradient of parameter 0 .* shape \(300, 7\) on"):
+        opt.step()
+    params[0].data = params[0].data.reshape(300, 7)
+    assert_unchanged(opt, params, before)
+
+
+def test_host_allocation_failure_for_new_parameters_changes_nothing(monkeypatch):
+    """A new param group's first step needs host buffers; if they cannot be allocated, the
+    parameters that already had state are not stepped either."""
+    from lightning_offload_optim import host_state
+
+    opt, params = trained()
+    extra = make_params([(50,), (9,)], seed=5)
+    opt.add_param_group({"params": extra, "lr": 0.1})
+    for p in extra:
+        p.grad = torch.randn_like(p)
+    before = snapshot(opt, params)
+    extra_before = [p.detach().clone() for p in extra]
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("simulated: out of host memory")
+
+    monkeypatch.setattr(host_state, "host_empty", out_of_memory)
+    with pytest.raises(RuntimeError, match="simulated: out of host memory"):
+        opt.step()
+    monkeypatch.undo()
+    assert_unchanged(opt, params, before)
+    assert_same(extra, extra_before)
+    assert all(p not in opt.state for p in extra)
+    assert opt.memory_stats()["state_bytes"] == 8 * sum(p.numel() for p in params)
+    opt.step()  # and the optimizer works afterwards, with state for the new group
+    assert all(opt.offloaded_state(p) for p in extra)
+
+
+def test_failure_copying_step_counts_to_the_device_changes_nothing(monkeypatch):
+    """The last preparation before the update: the counts' device copies (a GPU step)."""
+    opt, params = trained(force_staging=True, chunk_size=64)
+    before = snapshot(opt, params)
+
+    def fail(active, steps):
+        raise RuntimeError("simulated: device copy failed")
+
+    monkeypatch.setattr(OffloadAdamW, "_steps_on_devices", staticmethod(fail))
+    with pytest.raises(RuntimeError, match="simulated: device copy failed"):
+        opt.step()
+    assert_unchanged(opt, params, before)
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, RuntimeError])
+def test_fault_partway_through_the_update_refuses_until_a_checkpoint_is_loaded(
+    monkeypatch, fault
+):
+    """Chunk 1 updated, chunk 2 not: that cannot be undone cheaply, so the optimizer refuses
+    to step or save (never silently continues from a half-updated state) until a state dict is
+    loaded; then it matches torch resuming from the same checkpoint."""
+    from lightning_offload_optim import adamw as adamw_module
+
+    opt, params = trained(force_staging=True, chunk_size=64)
+    checkpoint = copy.deepcopy(opt.state_dict())
+    weights = [p.detach().clone() for p in params]
+    calls = []
+    real_update = adamw_module.adamw_update
+
+    def faulty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise fault("simulated fault in the second chunk")
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(adamw_module, "adamw_update", faulty)
+    with pytest.raises(fault, match="simulated fault"):
+        opt.step()
+    monkeypatch.undo()
+    for call in (opt.step, opt.state_dict):
+        with pytest.raises(RuntimeError, match="failed partway through its update"):
+            call()
+    with torch.no_grad():
+        for p, w in zip(params, weights, strict=True):
+            p.copy_(w)
+    opt.load_state_dict(checkpoint)
+    reference = clone_params(params)
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    torch_opt.load_state_dict(checkpoint)
+    step_together([opt, torch_opt], [params, reference], torch.Generator().manual_seed(3), 2)
+    assert_same(params, reference)
+
+
+def test_a_parameter_listed_twice_is_refused_at_construction():
+    """torch only warns, then allocates its state once and steps it twice per step."""
+    params = make_params()
+    with pytest.raises(ValueError, match="parameter 1 of the new param group is listed again"):
+        OffloadAdamW([params[0], params[1], params[2], params[1]])
+    opt = OffloadAdamW(params[:2])
+    with pytest.raises(ValueError, match="listed again at position 1"):
+        opt.add_param_group({"params": [params[3], params[3]]})
+    assert len(opt.param_groups) == 1
+
+
+# ----------------------------------------------------------------------------- loading
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"])
+@pytest.mark.parametrize("value", [None, [0.0] * 5, 1.5], ids=["None", "list", "float"])
+def test_non_tensor_state_is_refused_naming_parameter_and_key(key, value):
+    """Accepting it left uninitialised host memory in place (moments of 1e32)."""
+    (opt, params), (twin, twin_params) = (
+        trained(amsgrad=True, dtype=torch.bfloat16),
+        trained(amsgrad=True, dtype=torch.bfloat16),
+    )
+    broken = copy.deepcopy(opt.state_dict())
+    broken["state"][3][key] = value
+    with pytest.raises(
+        ValueError, match=rf"loaded '{key}' for parameter 3 of param group 0 \(key 3\) is"
+    ):
+        opt.load_state_dict(broken)
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        (None, "is None"),
+        ("3", "is '3'"),
+        (torch.tensor(3.0, device="meta"), "on meta"),
+        (torch.tensor([1.0, 2.0]), r"shape \(2,\)"),
+        (-1.0, "is -1.0"),
+    ],
+    ids=["None", "str", "meta", "two-elements", "negative"],
+)
+def test_bad_step_entry_is_refused_before_anything_changes(step, message):
+    """Refused after the step counts, learning rates and new host buffers were installed."""
+    (opt, params), (twin, twin_params) = twins()
+    broken = copy.deepcopy(opt.state_dict())
+    broken["state"][2]["step"] = step
+    for group in broken["param_groups"]:
+        group["lr"] = 0.5  # a refused load must not install these either
+    with pytest.raises(ValueError, match=rf"loaded 'step' for parameter 2 .*{message}"):
+        opt.load_state_dict(broken)
+    assert opt.param_groups[0]["lr"] == twin.param_groups[0]["lr"]
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
+def malformed(state_dict: dict, how: str) -> dict:
+    broken = copy.deepcopy(state_dict)
+    if how == "duplicate-ids":
+        broken["param_groups"][0]["params"][4] = 0
+    elif how == "tensor-entry":
+        broken["state"][1] = torch.zeros(5)
+    elif how == "list-moment":
+        broken["state"][1]["exp_avg"] = broken["state"][1]["exp_avg"].tolist()
+    elif how in ("version-str", "version-float", "version-bool"):
+        broken["offload_format_version"] = {"version-str": "1", "version-float": 1.0}.get(
+            how, True
+        )
+    elif how == "transposed-moment":
+        broken["state"][0]["exp_avg"] = broken["state"][0]["exp_avg"].t().contiguous()
+    elif how == "groups-not-a-list":
+        broken["param_groups"] = "groups"
+    elif how == "integer-moment":
+        broken["state"][0]["exp_avg"] = torch.zeros(300, 7, dtype=torch.int64)
+    return broken
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("duplicate-ids", r"list the parameter key 0 twice \(parameter 0 of param group 0 and"),
+        ("tensor-entry", r"loaded state for parameter 1 .* is a torch.float32 tensor"),
+        ("list-moment", r"loaded 'exp_avg' for parameter 1 .* is \[.*\] \(list\)"),
+        ("version-str", r"format version is '1' \(str\); format versions are integers"),
+        ("version-float", r"format version is 1.0 \(float\)"),
+        ("version-bool", r"format version is True \(bool\)"),
+        ("transposed-moment", r"'exp_avg' for parameter 0 .* shape \(7, 300\), the parameter"),
+        ("groups-not-a-list", r"'param_groups' must be a list of dicts"),
+        ("integer-moment", r"'exp_avg' for parameter 0 .* is torch.int64"),
+    ],
+)
+def test_malformed_checkpoint_errors_name_the_real_problem(how, message):
+    (opt, params), (twin, twin_params) = twins()
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(malformed(opt.state_dict(), how))
+    assert_steps_like_twin(opt, params, twin, twin_params)

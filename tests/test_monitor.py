@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import csv
 import logging
+import re
+import types
+import warnings
 
 import pytest
 import torch
+from conftest import assert_same
 from lightning.pytorch.loggers import CSVLogger
 from lightning_models import TinyModel, trainer
 
-from lightning_offload_optim import OffloadMonitor
+from lightning_offload_optim import OffloadAdamW, OffloadMonitor, pipeline, step_stats
+from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, STEP, StepRecord, StepStats
 
 NAMES = {
     "offload/h2d_ms",
@@ -52,6 +57,7 @@ def test_metrics_reach_the_logger_at_its_cadence(tmp_path):
 
 def test_direct_cpu_path_reports_no_copies(tmp_path):
     rows = logged_rows(tmp_path, TinyModel(), callbacks=[OffloadMonitor(summary=False)])
+    assert [int(r["step"]) for r in rows] == [1, 3, 5]
     assert all(
         float(r["offload/h2d_ms"]) == 0 and float(r["offload/total_moved_bytes"]) == 0 for r in rows
     )
@@ -67,11 +73,46 @@ def test_progress_bar_shows_memory_saved(tmp_path):
 
 
 def test_summary_at_the_end_of_fit(tmp_path, caplog):
+    model = TinyModel(force_staging=True)
     with caplog.at_level(logging.INFO):
-        trainer(tmp_path, callbacks=[OffloadMonitor()]).fit(TinyModel(force_staging=True))
+        trainer(tmp_path, callbacks=[OffloadMonitor()]).fit(model)
     summary = [r.message for r in caplog.records if r.message.startswith("OffloadMonitor:")]
     assert len(summary) == 1
+    (opt,) = model.trainer.optimizers
+    state_bytes = opt.memory_stats()["state_bytes"]
+    assert summary[0].startswith(f"OffloadMonitor: {state_bytes / 1e9:.3f} GB of optimizer state")
     assert "6 optimizer steps so far" in summary[0] and "GB/s" in summary[0]
+    assert f"{6 * 2 * state_bytes / 1e9:.3f} GB moved." in summary[0]
+    assert "GiB" not in summary[0]
+
+
+def test_summary_figures_use_gb_and_per_step_means():
+    """GB = 1e9 bytes, as in the metric names: the state here is 0.020 GB but 0.019 GiB."""
+    param = torch.nn.Parameter(torch.zeros(2_500_000))
+    opt = OffloadAdamW([param])
+    param.grad = torch.ones_like(param)
+    opt.step()
+    state_bytes = opt.memory_stats()["state_bytes"]
+    assert state_bytes == 20_000_000
+    monitor = OffloadMonitor()
+    monitor._optimizers = [opt]
+    monitor.totals.update(
+        steps=4,
+        step_seconds=2.0,
+        copy_in_seconds=0.5,
+        copy_out_seconds=1.0,
+        bytes_in=3e9,
+        bytes_out=3e9,
+    )
+    text = monitor.summary_text()
+    assert text == (
+        f"OffloadMonitor: {state_bytes / 1e9:.3f} GB of optimizer state kept in host memory "
+        "(this rank); 4 optimizer steps so far, 500.0 ms/step."
+        "\n  host->device 125.0 ms/step (6.0 GB/s), device->host 250.0 ms/step (3.0 GB/s); "
+        "6.000 GB moved."
+    )
+    assert re.match(r"OffloadMonitor: 0\.020 GB ", text)
+    assert "GiB" not in text
 
 
 def test_warns_once_without_offload_optimizer(tmp_path):
@@ -93,15 +134,89 @@ def test_arguments_are_validated_at_construction(kwargs, error):
 
 def test_step_records_resolve_without_the_monitor():
     model = torch.nn.Linear(4, 4)
-    from lightning_offload_optim import OffloadAdamW
-
     opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)
     assert opt.last_step is None
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    stats = opt.last_step.resolve()
-    assert stats.bytes_in == stats.bytes_out == 8 * 20
-    assert opt.last_step.poll() == stats
+    records = []
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        records.append(opt.last_step)
+        stats = opt.last_step.resolve()
+        # Each step moves the whole state (exp_avg + exp_avg_sq of 20 fp32 elements) each way,
+        # once: the second step's record does not carry the first one's bytes.
+        assert opt.memory_stats()["state_bytes"] == 8 * 20
+        assert stats.bytes_in == stats.bytes_out == opt.memory_stats()["state_bytes"]
+        assert stats.copy_in_seconds > 0 and stats.copy_out_seconds > 0
+        assert stats.step_seconds > 0
+    assert records[0] is not records[1]
+
+
+class FakeEvent:
+    """A timing event that completes when told to; ``elapsed_time`` refuses unfinished ends,
+    as CUDA's does."""
+
+    def __init__(self, ms: float = 0.0, done: bool = True) -> None:
+        self.ms = ms  # elapsed time from this (begin) event to its end
+        self.done = done
+        self.synchronized = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.done = True
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.done and end.done, "elapsed_time of an unfinished event"
+        return self.ms
+
+
+def record_with_fake_events(last_done: bool) -> tuple[StepRecord, list[FakeEvent], FakeEvent]:
+    """Two copy-in spans, one copy-out and one step span; the step's end is ``last_done``."""
+    record = StepRecord()
+    spans = [(COPY_IN, 125.0), (COPY_IN, 250.0), (COPY_OUT, 500.0), (STEP, 1000.0)]
+    begins, ends = [], []
+    for kind, ms in spans:
+        begins.append(FakeEvent(ms))
+        ends.append(FakeEvent(done=kind != STEP or last_done))
+        record.add_span(kind, begins[-1], ends[-1])
+    record.add_span(COPY_IN, None, FakeEvent(ms=1e6))  # unrecorded (CPU) ends are ignored
+    record.bytes_in, record.bytes_out = 10, 20
+    return record, begins, ends[-1]
+
+
+EXPECTED = StepStats(
+    copy_in_seconds=0.375, copy_out_seconds=0.5, step_seconds=1.0, bytes_in=10, bytes_out=20
+)
+
+
+def test_step_record_poll_never_blocks_and_sums_spans():
+    record, begins, last = record_with_fake_events(last_done=False)
+    assert record.poll() is None
+    assert record.poll() is None
+    assert last.synchronized == 0  # polling never waits
+    last.done = True  # the device caught up
+    assert record.poll() == EXPECTED
+    assert last.synchronized == 0
+    assert all(b.synchronized == 0 for b in begins)
+
+
+def test_step_record_resolve_waits_for_its_end_events():
+    record, begins, last = record_with_fake_events(last_done=False)
+    assert record.poll() is None
+    assert record.resolve() == EXPECTED  # sums both copy-in spans; ms -> s
+    assert last.synchronized == 1
+    assert all(b.synchronized == 0 for b in begins)  # only ends are waited for
+    assert record.resolve() == record.poll() == EXPECTED  # read once, then kept
+    assert last.synchronized == 1
+
+
+def test_step_record_on_the_cpu_adds_wall_clock_spans():
+    record = StepRecord()
+    record.add_seconds(STEP, 0.25)
+    record.add_seconds(STEP, 0.5)
+    assert record.poll() == StepStats(0.0, 0.0, 0.75, 0, 0)
 
 
 def test_with_accumulation_each_logged_row_covers_its_optimizer_steps(tmp_path):
@@ -158,3 +273,103 @@ def test_steps_not_read_yet_are_counted_in_checkpoints(tmp_path, monkeypatch):
     (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("OffloadMonitor")]
     assert state["totals"]["steps"] == 3
     assert monitor.totals["steps"] == 3
+
+
+class FakeClock:
+    """``time.perf_counter`` advancing by exactly 1 ms per call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        return self.calls / 1000
+
+
+@pytest.mark.no_stream_check  # the production CPU path: spans timed with time.perf_counter
+def test_logged_timings_are_per_step_sums_over_chunks(tmp_path, monkeypatch):
+    clock = FakeClock()
+    fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter)
+    monkeypatch.setattr(step_stats, "time", fake_time)
+    monkeypatch.setattr(pipeline, "time", fake_time)
+    model = TinyModel(force_staging=True)
+    rows = logged_rows(tmp_path, model, callbacks=[OffloadMonitor(summary=False)])
+    assert [int(r["step"]) for r in rows] == [1, 3, 5]
+
+    (opt,) = model.trainer.optimizers
+    (plan,) = opt._plans.values()
+    chunks = len(plan)
+    assert chunks == 7  # 385 elements in chunks of 64: the sums below need several
+    bytes_per_step = sum(c.numel for c in plan) * 4 * 2  # exp_avg + exp_avg_sq, fp32
+    assert bytes_per_step == opt.memory_stats()["state_bytes"] == opt.last_step.resolve().bytes_in
+    # A step reads the clock once at its start and end, and twice per chunk for each copy span.
+    assert clock.calls == 6 * (2 + 4 * chunks)
+    step_ms = 1.0 + 4 * chunks  # from the first call to the last
+    expected = {
+        "offload/interval_steps": 2.0,
+        "offload/h2d_ms": chunks * 1.0,  # 1 ms per chunk, summed over chunks, mean over steps
+        "offload/d2h_ms": chunks * 1.0,
+        "offload/step_ms": step_ms,
+        "offload/step_ms_max": step_ms,
+        "offload/h2d_gbps": bytes_per_step / (chunks * 1e-3) / 1e9,
+        "offload/d2h_gbps": bytes_per_step / (chunks * 1e-3) / 1e9,
+    }
+    # LightningModule.log stores values as float32: the logged figures are the expected ones
+    # rounded to float32, exactly.
+    expected = {k: torch.tensor(v, dtype=torch.float32).item() for k, v in expected.items()}
+    for i, row in enumerate(rows):
+        assert {k: float(row[k]) for k in expected} == expected
+        moved = float(row["offload/total_moved_bytes"])
+        assert moved == 2 * 2 * (i + 1) * bytes_per_step
+
+
+class PinningModel(TinyModel):
+    """Builds its OffloadAdamW (pin_memory=None) as if an accelerator were available."""
+
+    def __init__(self) -> None:
+        super().__init__(force_staging=True)
+
+    def configure_optimizers(self):
+        # Only the optimizer's construction sees the patch (it decides there whether to pin);
+        # Lightning's accelerator handling and the DataLoader never do.
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(torch.accelerator, "is_available", lambda: True)
+            optimizer = super().configure_optimizers()
+        assert optimizer.pin_memory  # it will try to pin its host buffers
+        return optimizer
+
+
+def test_failed_pinning_falls_back_with_one_warning(tmp_path):
+    """This CPU-only torch cannot pin: torch.empty(pin_memory=True) raises."""
+    model = PinningModel()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = logged_rows(tmp_path / "pin", model, callbacks=[OffloadMonitor(summary=False)])
+    fallbacks = [w for w in caught if "could not pin host memory" in str(w.message)]
+    assert len(fallbacks) == 1
+    assert fallbacks[0].category is UserWarning
+    assert [int(r["step"]) for r in rows] == [1, 3, 5]
+    assert all(float(r["offload/host_pinned"]) == 0.0 for r in rows)
+    (opt,) = model.trainer.optimizers
+    assert opt.memory_stats()["pinned"] is False
+
+    reference = TinyModel(force_staging=True)
+    trainer(tmp_path / "plain").fit(reference)
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_pinned_state_is_reported(tmp_path, monkeypatch):
+    """host_pinned follows the optimizer's buffers: 1 where they are pinned (faked here)."""
+    from lightning_offload_optim import host_state
+
+    def fake_pinned(numel, dtype, device):
+        return host_state.host_empty(numel, dtype), []  # pageable, but reported as pinned
+
+    monkeypatch.setattr(host_state, "_pinned_empty", fake_pinned)
+    model = PinningModel()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = logged_rows(tmp_path, model, callbacks=[OffloadMonitor(summary=False)])
+    assert not [w for w in caught if "could not pin" in str(w.message)]
+    assert [int(r["step"]) for r in rows] == [1, 3, 5]
+    assert all(float(r["offload/host_pinned"]) == 1.0 for r in rows)

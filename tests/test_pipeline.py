@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import make_params, set_grads
+from conftest import assert_same, make_params, set_grads, step_together
 
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
@@ -121,3 +121,116 @@ def test_host_buffers_are_freed_with_the_optimizer():
         assert arena() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("mode", [{}, {"force_staging": True}], ids=["direct", "staged"])
+def test_low_precision_gradient_scratch_is_bounded_by_chunk_size_and_counted(mode):
+    """bf16 parameters need their gradients in fp32 for the update on the master copy. That
+    scratch was two buffers the size of the whole model on the CPU, and uncounted."""
+    sizes = []
+    for shapes in ([(640,)], [(64_000,)] * 3):
+        params = make_params(shapes, dtype=torch.bfloat16)
+        opt = OffloadAdamW(params, chunk_size=256, **mode)
+        set_grads([params], torch.Generator().manual_seed(0))
+        opt.step()
+        sizes.append(opt.memory_stats()["staging_bytes"])
+    # Direct: one fp32 gradient scratch of one chunk. Staged: two buffers of one chunk for each
+    # of exp_avg, exp_avg_sq, master_param and the gradient scratch.
+    expected = 256 * 4 * (1 if not mode else 2 * 4)
+    assert sizes == [expected, expected]
+
+
+def test_memory_stats_for_float64_state():
+    params = make_params([(10, 10), (7,)], dtype=torch.float64)
+    opt = OffloadAdamW(params, amsgrad=True)
+    set_grads([params], torch.Generator().manual_seed(0))
+    opt.step()
+    stats = opt.memory_stats()
+    assert stats["state_bytes"] == 3 * 8 * 107  # three float64 moments
+    assert stats["host_bytes"] == stats["state_bytes"]
+    assert stats["staging_bytes"] == 0 and stats["pinned"] is False
+
+
+def test_host_bytes_count_buffers_that_outlive_some_of_their_slots():
+    """State cleared for one parameter is laid out afresh; its old slot stays allocated inside
+    the arena the other parameters still use: host_bytes exceeds state_bytes by exactly that."""
+    params = make_params()
+    opt = OffloadAdamW(params)
+    set_grads([params], torch.Generator().manual_seed(0))
+    opt.step()
+    del opt.state[params[1]]
+    opt.step()
+    stats = opt.memory_stats()
+    numel = sum(p.numel() for p in params)
+    assert stats["state_bytes"] == 8 * numel
+    assert stats["host_bytes"] == 8 * numel + 8 * params[1].numel()
+    assert len(opt._host.arenas) == 2
+
+
+def test_registered_host_buffers_own_their_pages():
+    """cudaHostRegister fails for a page that is already registered; small buffers from the C
+    heap share pages. Every registered range is page-aligned, whole pages, inside its own
+    allocation, and no two overlap; large ones are registered in pieces."""
+    from lightning_offload_optim import host_state
+
+    registered: list[tuple[int, int]] = []
+
+    def register(pointer: int, nbytes: int) -> int:
+        registered.append((pointer, nbytes))
+        return 0
+
+    page = host_state.PAGE_SIZE
+    buffers = []
+    for numel in [1, 3, 17, 1000, page // 4 + 1, 5]:
+        buffer, pointers = host_state.registered_empty(numel, torch.float32, register)
+        buffers.append(buffer)
+        start, nbytes = registered[-1]
+        assert pointers == [start] and start % page == 0 and nbytes % page == 0
+        assert start <= buffer.data_ptr() and buffer.data_ptr() + 4 * numel <= start + nbytes
+        raw = buffer.untyped_storage()
+        assert raw.data_ptr() <= start and start + nbytes <= raw.data_ptr() + raw.nbytes()
+    ranges = sorted(registered)
+    assert all(a + n <= b for (a, n), (b, _) in zip(ranges, ranges[1:], strict=False))
+
+
+def test_registration_in_pieces_and_clean_up_after_a_failure(monkeypatch):
+    from lightning_offload_optim import host_state
+
+    page = host_state.PAGE_SIZE
+    monkeypatch.setattr(host_state, "MAX_REGISTRATION_BYTES", 2 * page)
+    calls, released = [], []
+
+    def register(pointer: int, nbytes: int) -> int:
+        calls.append(nbytes)
+        return 0 if len(calls) < 3 else 712  # cudaErrorHostMemoryAlreadyRegistered
+
+    numel = 5 * page // 4  # five pages of float32
+    with pytest.raises(RuntimeError, match="failed with error 712"):
+        host_state.registered_empty(numel, torch.float32, register, released.append)
+    assert calls == [2 * page, 2 * page, page]
+    assert len(released) == 2  # the pieces registered before the failure
+    calls.clear()
+    _, pointers = host_state.registered_empty(
+        numel, torch.float32, lambda p, n: calls.append(n) or 0
+    )
+    assert calls == [2 * page, 2 * page, page] and len(pointers) == 3
+
+
+def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
+    """Hosts that cap pinned memory: the state stays pageable, training goes on exactly."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    params = make_params()
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    with pytest.warns(UserWarning) as warned:
+        opt = OffloadAdamW(params[:3], force_staging=True, chunk_size=64)
+        assert opt.pin_memory is True  # asked for: an accelerator is "available"
+        torch_opt = torch.optim.AdamW(reference[:3], fused=True)
+        generator = torch.Generator().manual_seed(0)
+        step_together([opt, torch_opt], [params[:3], reference[:3]], generator, 2)
+        opt.add_param_group({"params": params[3:]})  # a second allocation does not warn again
+        torch_opt.add_param_group({"params": reference[3:]})
+        step_together([opt, torch_opt], [params, reference], generator, 2)
+    pin_warnings = [w for w in warned if "could not pin host memory" in str(w.message)]
+    assert len(pin_warnings) == 1
+    assert opt.memory_stats()["pinned"] is False
+    assert_same(params, reference)

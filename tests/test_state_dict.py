@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -195,3 +197,164 @@ def test_state_dict_from_a_future_format_is_refused():
     future = {**saved, "offload_format_version": 2}
     with pytest.raises(RuntimeError, match=r"format version 2.*Upgrade lightning-offload-optim"):
         OffloadAdamW(params).load_state_dict(future)
+
+
+def test_plain_torch_adamw_resumes_our_checkpoint_on_the_fused_kernel_exactly():
+    """Saved groups say fused=True: a torch.optim.AdamW built without ``fused`` takes it from
+    the checkpoint (as it takes every hyperparameter), so switching offloading off is exact."""
+    params = make_params()
+    uninterrupted = clone_params(params)
+    offload = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
+    reference = torch.optim.AdamW(uninterrupted, lr=0.01, weight_decay=0.1, fused=True)
+    generator = torch.Generator().manual_seed(10)
+    step_together([offload, reference], [params, uninterrupted], generator, 3)
+    plain = torch.optim.AdamW(params)  # default implementation unless told otherwise
+    plain.load_state_dict(save_and_load(offload.state_dict()))
+    assert all(group["fused"] is True for group in plain.param_groups)
+    step_together([plain, reference], [params, uninterrupted], generator, 3)
+    assert_same(params, uninterrupted)
+
+
+def test_complex_parameters_save_their_state_as_complex_not_fused():
+    """torch's fused kernel takes no complex tensors: their groups must not claim fused=True."""
+    params = make_params([(4,)], dtype=torch.complex64)
+    offload = OffloadAdamW(params)
+    step_together([offload], [params], torch.Generator().manual_seed(11), 1)
+    assert offload.state_dict()["param_groups"][0]["fused"] is None
+
+
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda opt: pickle.loads(pickle.dumps(opt)),
+    "torch.save": lambda opt: save_and_load_object(opt),
+}
+
+
+def save_and_load_object(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("copier", COPIES.values(), ids=COPIES.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copies_of_the_optimizer_keep_the_state_and_own_their_buffers(mode, copier, dtype):
+    """torch's AdamW survives deepcopy, pickle and torch.save of the optimizer object: the
+    copies step to the same numbers as a copy of torch's AdamW run alongside."""
+    params = make_params(dtype=dtype)
+    offload = OffloadAdamW(params, lr=0.01, amsgrad=True, **mode)
+    generator = torch.Generator().manual_seed(12)
+    step_together([offload], [params], generator, 2)
+    saved = save_and_load(offload.state_dict())
+    copied = copier(offload)
+    assert copied.chunk_size == offload.chunk_size and copied.enabled
+    for index, entry in copied.state_dict()["state"].items():
+        assert entry.keys() == saved["state"][index].keys()
+        assert_same(list(entry.values()), list(saved["state"][index].values()))
+    # The copy's buffers are its own: stepping it leaves the original's state untouched.
+    original_pointers = {b.data_ptr() for a in offload._host.arenas for b in a.buffers.values()}
+    copied_pointers = {b.data_ptr() for a in copied._host.arenas for b in a.buffers.values()}
+    assert not original_pointers & copied_pointers
+    twin_params = params_of(copied)
+    step_together([copied], [twin_params], torch.Generator().manual_seed(13), 2)
+    assert_same(list(offload.state_dict()["state"][0].values()), list(saved["state"][0].values()))
+    # And it continues exactly like the original would have.
+    step_together([offload], [params], torch.Generator().manual_seed(13), 2)
+    assert_same(twin_params, params)
+    assert_same(
+        [copied.state[p]["step"] for p in twin_params], [offload.state[p]["step"] for p in params]
+    )
+
+
+def test_copy_of_the_optimizer_matches_a_copy_of_torch_adamw():
+    params = make_params()
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=0.01, force_staging=True, chunk_size=64)
+    torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(14)
+    step_together([offload, torch_opt], [params, reference], generator, 2)
+    offload_copy, torch_copy = copy.deepcopy(offload), copy.deepcopy(torch_opt)
+    step_together(
+        [offload_copy, torch_copy], [params_of(offload_copy), params_of(torch_copy)], generator, 3
+    )
+    assert_same(params_of(offload_copy), params_of(torch_copy))
+
+
+def test_load_frees_the_buffers_it_replaces():
+    """Cached chunk plans and slots must not keep a replaced state's host buffers alive."""
+    import gc
+    import weakref
+
+    params = make_params()
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    step_together([opt], [params], torch.Generator().manual_seed(15), 2)
+    old = [weakref.ref(buffer) for a in opt._host.arenas for buffer in a.buffers.values()]
+    checkpoint = save_and_load(opt.state_dict())
+    gc.disable()  # freed by reference counting alone
+    try:
+        opt.load_state_dict(checkpoint)
+        assert all(ref() is None for ref in old)
+    finally:
+        gc.enable()
+    step_together([opt], [params], torch.Generator().manual_seed(16), 1)
+    assert opt.memory_stats()["host_bytes"] == opt.memory_stats()["state_bytes"]
+
+
+def test_loaded_step_counts_are_not_shared_with_the_loaded_dict():
+    """Steps advance in place: aliasing the dict's tensors would advance another optimizer's."""
+    params = make_params()
+    opt = OffloadAdamW(params)
+    step_together([opt], [params], torch.Generator().manual_seed(17), 2)
+    checkpoint = save_and_load(opt.state_dict())
+    opt.load_state_dict(checkpoint)
+    step_together([opt], [params], torch.Generator().manual_seed(18), 1)
+    assert checkpoint["state"][0]["step"] == 2
+    assert opt.state[params[0]]["step"] == 3
+
+
+def add_hooks(optimizer, seen):
+    def double_exp_avg(opt, state_dict):
+        for entry in state_dict["state"].values():
+            entry["exp_avg"] = entry["exp_avg"] * 2
+
+    def look(opt):
+        seen.append(copy.deepcopy(opt.state_dict()["state"][0]))
+        opt.state["loaded_by_hook"] = True  # not a parameter: torch keeps it as it is
+
+    optimizer.register_load_state_dict_pre_hook(double_exp_avg)
+    optimizer.register_load_state_dict_post_hook(look)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_load_hooks_behave_as_in_torch(mode):
+    """A pre-hook runs before anything is read and its edits take effect; a post-hook sees the
+    loaded moments, and may write a non-parameter entry into optimizer.state."""
+    params = make_params()
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=0.01, **mode)
+    torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(19)
+    step_together([offload, torch_opt], [params, reference], generator, 2)
+    checkpoint = save_and_load(torch_opt.state_dict())
+    seen: dict[str, list] = {"offload": [], "torch": []}
+    add_hooks(offload, seen["offload"])
+    add_hooks(torch_opt, seen["torch"])
+    offload.load_state_dict(copy.deepcopy(checkpoint))
+    torch_opt.load_state_dict(copy.deepcopy(checkpoint))
+    for opt in (offload, torch_opt):
+        assert opt.state["loaded_by_hook"] is True
+    (ours,), (theirs,) = seen["offload"], seen["torch"]
+    assert_same([ours["exp_avg"]], [checkpoint["state"][0]["exp_avg"] * 2])
+    assert_same([ours["exp_avg"], ours["exp_avg_sq"]], [theirs["exp_avg"], theirs["exp_avg_sq"]])
+    step_together([offload, torch_opt], [params, reference], generator, 2)
+    assert_same(params, reference)
+    # A state dict holding the non-parameter entry loads again, in both.
+    again = save_and_load(offload.state_dict())
+    assert again["state"]["loaded_by_hook"] is True
+    OffloadAdamW(params, lr=0.01, **mode).load_state_dict(again)

@@ -16,7 +16,11 @@ from lightning_offload_optim.lightning.checkpoint import (
     check_metadata,
     offload_metadata,
 )
-from lightning_offload_optim.lightning.schedule import LINKED_GROUP_KEY, WarmupCosineLR
+from lightning_offload_optim.lightning.schedule import (
+    LINKED_GROUP_KEY,
+    WarmupCosineLR,
+    link_hand_set_lrs,
+)
 
 #: torch's normalisation modules (their weights are not decayed by default).
 NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
@@ -222,3 +226,12 @@ def split_groups_added_later(optimizer: torch.optim.Optimizer, model: torch.nn.M
         add({**param_group, "params": kept, "weight_decay": 0.0, LINKED_GROUP_KEY: link})
 
     optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+    seen: list[float] = []  # each group's lr at the previous step
+
+    def link_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # Without a schedule, only a hand-set lr changes between steps. With WarmupCosineLR,
+        # whose new lrs differ from these too, its own hook (run next) links what this leaves.
+        link_hand_set_lrs(optimizer.param_groups, seen)
+        seen[:] = [float(g["lr"]) for g in optimizer.param_groups]
+
+    optimizer.register_step_pre_hook(link_before_step)

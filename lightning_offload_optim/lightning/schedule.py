@@ -9,6 +9,8 @@ Trainer plans more (or fewer) steps than the run that wrote the checkpoint.
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,6 +20,22 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 #: decayed and non-decayed halves the mixin splits an added group into).
 LINKED_GROUP_KEY = "lr_link"
 _SHAPE = ("warmup_steps", "total_steps", "min_lr_ratio")
+
+
+def link_hand_set_lrs(groups: Sequence[dict[str, Any]], previous: Sequence[float]) -> None:
+    """Give an lr set by hand on a linked group to the groups linked to it.
+
+    A group's lr is set by hand when it differs from ``previous`` (the lr each group had; groups
+    added since have none). A link whose groups were set to different values is left alone.
+    """
+    hand_set: dict[Any, set[float]] = {}
+    for group, lr in zip(groups, previous, strict=False):
+        if LINKED_GROUP_KEY in group and float(group["lr"]) != lr:
+            hand_set.setdefault(group[LINKED_GROUP_KEY], set()).add(float(group["lr"]))
+    for group in groups:
+        values = hand_set.get(group[LINKED_GROUP_KEY], ()) if LINKED_GROUP_KEY in group else ()
+        if len(values) == 1:
+            group["lr"] = next(iter(values))
 
 
 class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
@@ -66,6 +84,14 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
         self.min_lr_ratio = min_lr_ratio
         self._written: list[float] = []  # the lr this scheduler last gave each group
         super().__init__(optimizer, last_epoch)
+        # A hand-set lr reaches the linked groups before the step that uses it, not after.
+        schedule = weakref.ref(self)  # the optimizer must not keep the scheduler alive
+
+        def link_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if (live := schedule()) is not None:
+                link_hand_set_lrs(optimizer.param_groups, live._written)
+
+        optimizer.register_step_pre_hook(link_before_step)
 
     def factor(self, step: int) -> float:
         """The multiplier of the base lr at ``step`` (0-based)."""
@@ -81,21 +107,14 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
     def get_lr(self) -> list[float]:
         groups = self.optimizer.param_groups
         in_effect = self.factor(self.last_epoch - 1) if self.last_epoch > 0 else 1.0
-        rebased: dict[Any, float] = {}  # link -> hand-set lr
+        link_hand_set_lrs(groups, self._written)  # if not done before the step
         for i, group in enumerate(groups):
             added = i >= len(self.base_lrs)
             edited = i < len(self._written) and float(group["lr"]) != self._written[i]
+            if added:
+                self.base_lrs.append(float(group["lr"]))
             if added or edited:
-                lr = float(group["lr"])
-                if added:
-                    self.base_lrs.append(lr)
-                if edited and LINKED_GROUP_KEY in group:
-                    rebased[group[LINKED_GROUP_KEY]] = lr
-                self._rebase(i, lr, in_effect)
-        for i, group in enumerate(groups):  # linked groups take a hand-set lr together
-            link = group.get(LINKED_GROUP_KEY)
-            if link in rebased and float(group["lr"]) != rebased[link]:
-                self._rebase(i, rebased[link], in_effect)
+                self._rebase(i, float(group["lr"]), in_effect)
         self._written = [base * self.factor(self.last_epoch) for base in self.base_lrs]
         return list(self._written)
 

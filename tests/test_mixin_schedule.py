@@ -1,0 +1,434 @@
+"""The mixin's learning-rate schedule and param groups, checked against independent references.
+
+The references never reuse the mixin's schedule or groups: torch's own schedulers, the schedule
+formula written out in ``lightning_models.reference_lr_factor``, and parameter lists made by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import assert_same
+from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, ModelCheckpoint
+from lightning_models import TinyModel, make_data, reference_lr_factor, trainer
+from torch import nn
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+from torch.utils.data import DataLoader
+
+from lightning_offload_optim import OffloadOptimizerMixin
+from lightning_offload_optim.lightning.schedule import LINKED_GROUP_KEY, WarmupCosineLR
+
+LR = 0.01
+
+
+class LrRecorder(pl.Callback):
+    """The lr of every param group at each optimizer step, keyed by the 0-based step."""
+
+    def __init__(self) -> None:
+        self.lrs: dict[int, list[float]] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module, optimizer) -> None:
+        step = trainer.global_step
+        assert step not in self.lrs, "one record per optimizer step"
+        self.lrs[step] = [float(g["lr"]) for g in trainer.optimizers[0].param_groups]
+
+
+def torch_schedule_lrs(steps: int, scheduler_factory) -> list[float]:
+    """The lr torch's own scheduler gives at each of ``steps`` steps, on a dummy SGD."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+    scheduler = scheduler_factory(optimizer)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def fit_recording(tmp_path: Path, model: pl.LightningModule, **trainer_kwargs: Any) -> LrRecorder:
+    recorder = LrRecorder()
+    callbacks = [recorder, *trainer_kwargs.pop("callbacks", [])]
+    trainer(tmp_path, callbacks=callbacks, **trainer_kwargs).fit(model)
+    return recorder
+
+
+# ------------------------------------------------------------------ 1. schedule values
+def test_warmup_cosine_values_match_torch_schedulers(tmp_path):
+    model = TinyModel(lr=LR, warmup_steps=3, lr_schedule="cosine")
+    model.hparams.min_lr_ratio = 0.1
+    recorder = fit_recording(tmp_path, model, max_steps=10)
+    # Warm-up (s + 1) / 3 for s < 3, then a cosine from 1 at step 3 to 0.1 at step 10.
+    expected = torch_schedule_lrs(
+        10,
+        lambda opt: SequentialLR(
+            opt,
+            [
+                LinearLR(opt, start_factor=1 / 3, end_factor=1.0, total_iters=2),
+                CosineAnnealingLR(opt, T_max=7, eta_min=0.1 * LR),
+            ],
+            milestones=[3],
+        ),
+    )
+    assert sorted(recorder.lrs) == list(range(10))
+    got = [recorder.lrs[s][0] for s in range(10)]
+    assert got == pytest.approx(expected, rel=1e-9)
+    # Every group is scheduled alike (the no-decay group too).
+    assert all(lrs[1] == pytest.approx(lrs[0], rel=1e-12) for lrs in recorder.lrs.values())
+
+
+def test_warmup_only_then_constant(tmp_path):
+    recorder = fit_recording(tmp_path, TinyModel(lr=LR, warmup_steps=4), max_steps=8)
+    got = [recorder.lrs[s][0] for s in range(8)]
+    expected = [LR * (s + 1) / 4 for s in range(4)] + [LR] * 4
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+# ------------------------------------------------------------------ 2. resume, longer horizon
+SCHEDULE = {"warmup_steps": 2, "lr_schedule": "cosine"}
+
+
+class FollowNewHorizon(pl.Callback):
+    """For the torch reference: after a resume, set the lr of the restored step from the
+    formula with this run's length (LambdaLR would train it at the checkpoint's stale lr)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module) -> None:
+        total = int(trainer.estimated_stepping_batches)
+        factor = reference_lr_factor(2, total, 0.0, trainer.global_step)
+        for group in trainer.optimizers[0].param_groups:
+            group["lr"] = group["initial_lr"] * factor
+
+
+def save_then_resume(
+    tmp_path: Path, optimizer: str, at: int, first: int, second: int, callbacks=()
+) -> tuple[TinyModel, LrRecorder, list[str]]:
+    """Train a ``max_steps=first`` run, checkpointing at step ``at``; resume from there with
+    ``max_steps=second``. Return the resumed model, its lrs and the resume's schedule warnings."""
+    folder = tmp_path / "ckpt"
+    saver = ModelCheckpoint(folder, "{step}", every_n_train_steps=at, save_top_k=-1)
+    trainer(tmp_path / "first", max_steps=first, callbacks=[saver], enable_checkpointing=True).fit(
+        TinyModel(optimizer=optimizer, lr=LR, **SCHEDULE)
+    )
+    model = TinyModel(optimizer=optimizer, lr=LR, **SCHEDULE)
+    recorder = LrRecorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path / "second", max_steps=second, callbacks=[recorder, *callbacks]).fit(
+            model, ckpt_path=folder / f"step={at}.ckpt"
+        )
+    messages = [str(w.message) for w in caught if "schedule" in str(w.message)]
+    return model, recorder, messages
+
+
+def test_resume_with_more_steps_follows_the_new_horizon(tmp_path):
+    model, recorder, messages = save_then_resume(tmp_path / "offload", "offload", 4, 4, 10)
+    assert len(messages) == 1, messages
+    assert "WarmupCosineLR" in messages[0]
+    assert "'total_steps': 4" in messages[0] and "'total_steps': 10" in messages[0]
+    assert sorted(recorder.lrs) == list(range(4, 10))
+    got = [recorder.lrs[s][0] for s in range(4, 10)]
+    expected = [LR * reference_lr_factor(2, 10, 0.0, s) for s in range(4, 10)]
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert min(got) > 0  # the checkpoint's horizon (4) would give 0 from step 4 on
+
+    reference, _, reference_messages = save_then_resume(
+        tmp_path / "torch", "torch", 4, 4, 10, callbacks=[FollowNewHorizon()]
+    )
+    assert reference_messages == []
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_resume_with_the_same_horizon_does_not_warn(tmp_path):
+    _, recorder, messages = save_then_resume(tmp_path, "offload", 3, 6, 6)
+    assert messages == []
+    got = [recorder.lrs[s][0] for s in range(3, 6)]
+    expected = [LR * reference_lr_factor(2, 6, 0.0, s) for s in range(3, 6)]
+    assert got == pytest.approx(expected, rel=1e-9)
+
+
+# ------------------------------------------------------------------ 3. norm weights, no decay
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class T5LayerNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class LayerNorm2d(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+
+class GroupNorm32(nn.GroupNorm):
+    pass
+
+
+class QKNormAttention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.q_norm_weight = nn.Parameter(torch.ones(dim))
+        self.pos_bias = nn.Parameter(torch.zeros(dim))
+
+
+class NormalHead(nn.Linear):
+    """Named like a norm ("Normal...") but a plain projection: its weight is decayed."""
+
+
+class ManyNorms(OffloadOptimizerMixin, pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.rms = LlamaRMSNorm(8)
+        self.t5 = T5LayerNorm(8)
+        self.ln2d = LayerNorm2d(8)
+        self.gn = GroupNorm32(2, 8)
+        self.attention = QKNormAttention(8)
+        self.linear = nn.Linear(8, 8)
+        self.head = NormalHead(8, 4, bias=False)
+
+
+def test_norm_weights_of_non_torch_norm_classes_are_not_decayed():
+    model = ManyNorms()
+    decayed = [model.embed.weight, model.attention.proj.weight, model.linear.weight]
+    decayed.append(model.head.weight)
+    spared = [model.rms.weight, model.t5.weight, model.ln2d.weight, model.ln2d.bias]
+    spared += [model.gn.weight, model.gn.bias, model.attention.q_norm_weight]
+    spared += [model.attention.pos_bias, model.linear.bias]
+    assert len(decayed) + len(spared) == len(list(model.parameters()))  # the lists are complete
+
+    decay_group, spared_group = model.configure_optimizers().param_groups
+    assert {id(p) for p in decay_group["params"]} == {id(p) for p in decayed}
+    assert {id(p) for p in spared_group["params"]} == {id(p) for p in spared}
+    assert len(decay_group["params"]) == len(decayed)
+    assert len(spared_group["params"]) == len(spared)
+    assert decay_group["weight_decay"] == 1e-2 and spared_group["weight_decay"] == 0.0
+
+
+# ------------------------------------------------------------------ 4. groups added later
+class BackboneModel(OffloadOptimizerMixin, pl.LightningModule):
+    def __init__(
+        self,
+        lr: float = LR,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 2,
+        lr_schedule: str | None = "cosine",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(), batch_size=4)  # 4 steps an epoch
+
+
+class UnfreezeAtEpochOne(BaseFinetuning):
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module, epoch: int, optimizer) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.backbone, optimizer)
+
+
+def test_group_added_by_base_finetuning_is_split_and_follows_the_schedule(tmp_path):
+    model = BackboneModel()
+    backbone_before = [p.detach().clone() for p in model.backbone.parameters()]
+    recorder = fit_recording(
+        tmp_path, model, max_epochs=3, max_steps=-1, callbacks=[UnfreezeAtEpochOne()]
+    )
+    assert model.trainer.global_step == 12
+
+    groups = model.trainer.optimizers[0].param_groups
+    assert len(groups) == 4
+    head_decay, _, added_decay, added_spared = groups
+    linear, norm = model.backbone
+    assert [id(p) for p in head_decay["params"]] == [id(model.head.weight)]
+    assert [id(p) for p in added_decay["params"]] == [id(linear.weight)]
+    assert {id(p) for p in added_spared["params"]} == {
+        id(linear.bias),
+        id(norm.weight),
+        id(norm.bias),
+    }
+    assert len(added_spared["params"]) == 3
+    assert added_decay["weight_decay"] == 0.1 and added_spared["weight_decay"] == 0.0
+    assert LINKED_GROUP_KEY in added_decay
+    assert added_decay[LINKED_GROUP_KEY] == added_spared[LINKED_GROUP_KEY]
+    assert LINKED_GROUP_KEY not in head_decay or (
+        head_decay[LINKED_GROUP_KEY] != added_decay[LINKED_GROUP_KEY]
+    )
+    # The backbone trained after the unfreeze.
+    assert all(
+        not torch.equal(a, b)
+        for a, b in zip(backbone_before, model.backbone.parameters(), strict=True)
+    )
+
+    assert sorted(recorder.lrs) == list(range(12))
+    for step in range(12):
+        lrs = recorder.lrs[step]
+        head = LR * reference_lr_factor(2, 12, 0.0, step)
+        assert lrs[0] == pytest.approx(head, rel=1e-9), step
+        assert lrs[1] == pytest.approx(head, rel=1e-9), step
+        if step < 4:
+            assert len(lrs) == 2, step
+        else:
+            assert lrs[2:] == pytest.approx([head / 10, head / 10], rel=1e-9), step
+
+
+@pytest.mark.parametrize("schedule", [True, False], ids=["warmup-cosine", "no-schedule"])
+def test_backbone_finetuning_hand_set_lr_reaches_both_halves(tmp_path, schedule):
+    """BackboneFinetuning sets ``param_groups[-1]["lr"]`` at each epoch start: the no-decay half
+    only. Its linked decayed half must train at that lr from the very next step on."""
+    kwargs = {} if schedule else {"warmup_steps": 0, "lr_schedule": None}
+    model = BackboneModel(**kwargs)
+    recorder = fit_recording(
+        tmp_path,
+        model,
+        max_epochs=3,
+        max_steps=-1,
+        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+    )
+    assert model.trainer.global_step == 12
+    assert len(model.trainer.optimizers[0].param_groups) == 4
+
+    def factor(step: int) -> float:
+        return reference_lr_factor(2, 12, 0.0, step) if schedule else 1.0
+
+    # Epoch 1: added at 0.1 of the head's lr; epoch 2 (step 8): set by hand to twice that
+    # (BackboneFinetuning's default lambda_func); the schedule scales both from there.
+    for step in range(4, 12):
+        if step < 8:
+            expected = 0.1 * LR * factor(step)
+        else:
+            expected = 0.2 * LR * factor(4) * factor(step) / factor(8)
+        assert recorder.lrs[step][2:] == pytest.approx([expected, expected], rel=1e-9), step
+
+
+# ------------------------------------------------------------------ 5. WarmupCosineLR alone
+def run_sgd(optimizer, scheduler, steps: int, before_step=lambda step: None) -> list[list[float]]:
+    """Step ``steps`` times; return the lr each group's update actually used at each step."""
+    used = []
+    for step in range(steps):
+        before_step(step)
+        params = [g["params"][0] for g in optimizer.param_groups]
+        for p in params:  # SGD with a gradient of 1 from 0: the new value is -lr
+            p.data.zero_()
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        scheduler.step()
+        used.append([-p.item() for p in params])
+    return used
+
+
+def param() -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.float64, requires_grad=True)
+
+
+def sgd(*lrs: float) -> torch.optim.SGD:
+    return torch.optim.SGD([{"params": [param()], "lr": lr} for lr in lrs], lr=1.0)
+
+
+def expected_factor(step: int) -> float:
+    return reference_lr_factor(2, 10, 0.2, step)
+
+
+def test_group_added_mid_way_keeps_its_ratio():
+    optimizer = sgd(1.0)
+    scheduler = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
+
+    def add(step: int) -> None:
+        if step in (1, 5):  # in the warm-up, and in the cosine: at 0.25 and 3 times group 0
+            ratio = 0.25 if step == 1 else 3.0
+            optimizer.add_param_group({"params": [param()], "lr": ratio * expected_factor(step)})
+
+    used = run_sgd(optimizer, scheduler, 12, add)
+    for step, row in enumerate(used):
+        factor = expected_factor(step)
+        assert row[0] == pytest.approx(factor, rel=1e-12), step
+        if step >= 1:
+            assert row[1] == pytest.approx(0.25 * factor, rel=1e-12), step
+        if step >= 5:
+            assert row[2] == pytest.approx(3.0 * factor, rel=1e-12), step
+
+
+def test_hand_set_lr_is_kept_and_scheduled_from_there():
+    optimizer = sgd(1.0, 1.0)
+    scheduler = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
+
+    def set_by_hand(step: int) -> None:
+        if step == 4:
+            optimizer.param_groups[1]["lr"] = 0.5
+
+    used = run_sgd(optimizer, scheduler, 11, set_by_hand)
+    for step, (first, second) in enumerate(used):
+        assert first == pytest.approx(expected_factor(step), rel=1e-12), step
+        if step < 4:
+            assert second == pytest.approx(expected_factor(step), rel=1e-12), step
+        else:  # 0.5 trains step 4, later steps scale it as the schedule does
+            expected = 0.5 * expected_factor(step) / expected_factor(4)
+            assert second == pytest.approx(expected, rel=1e-12), step
+
+
+def test_hand_set_lr_reaches_linked_groups_in_the_same_step():
+    optimizer = sgd(1.0, 1.0)
+    for _ in range(2):
+        optimizer.add_param_group({"params": [param()], "lr": 0.1, LINKED_GROUP_KEY: 7})
+    scheduler = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
+
+    def set_by_hand(step: int) -> None:
+        if step == 3:
+            optimizer.param_groups[3]["lr"] = 0.4
+        if step == 6:  # both halves set apart: each keeps its own
+            optimizer.param_groups[2]["lr"] = 0.3
+            optimizer.param_groups[3]["lr"] = 0.6
+
+    used = run_sgd(optimizer, scheduler, 10, set_by_hand)
+    for step in range(10):
+        assert used[step][:2] == pytest.approx([expected_factor(step)] * 2, rel=1e-12), step
+        if step < 3:
+            linked = [0.1 * expected_factor(step)] * 2
+        elif step < 6:  # from step 3 itself, not one step late
+            linked = [0.4 * expected_factor(step) / expected_factor(3)] * 2
+        else:
+            linked = [lr * expected_factor(step) / expected_factor(6) for lr in (0.3, 0.6)]
+        assert used[step][2:] == pytest.approx(linked, rel=1e-12), step
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warmup_steps": -1, "total_steps": 10}, "warmup_steps must be >= 0"),
+        ({"warmup_steps": 2, "total_steps": 0}, "total_steps must be >= 1"),
+        ({"warmup_steps": 2, "total_steps": 10, "min_lr_ratio": 1.5}, "min_lr_ratio"),
+        ({"warmup_steps": 2, "total_steps": 10, "min_lr_ratio": -0.1}, "min_lr_ratio"),
+    ],
+)
+def test_argument_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WarmupCosineLR(sgd(1.0), **kwargs)
+
+
+def test_factor_past_the_end_stays_at_the_minimum():
+    schedule = WarmupCosineLR(sgd(1.0), warmup_steps=0, total_steps=4, min_lr_ratio=0.3)
+    assert [schedule.factor(s) for s in (0, 4, 5, 100)] == pytest.approx(
+        [1.0, 0.3, 0.3, 0.3], rel=1e-12
+    )
+    assert schedule.factor(2) == pytest.approx(0.3 + 0.7 * (1 + math.cos(math.pi / 2)) / 2)
