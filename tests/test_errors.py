@@ -261,7 +261,9 @@ def three_groups(params):
         ("amsgrad", None, r"param group 2 has amsgrad=None"),
     ],
 )
-@pytest.mark.parametrize("mode", [{}, {"force_staging": True, "chunk_size": 64}], ids=["direct", "staged"])
+@pytest.mark.parametrize(
+    "mode", [{}, {"force_staging": True, "chunk_size": 64}], ids=["direct", "staged"]
+)
 def test_invalid_hyperparameter_in_a_later_group_changes_nothing(key, value, message, mode):
     """Torch checks hyperparameters only at construction; hand-edited ones are checked at every
     step, for all groups before the first update (groups 0 and 1 must not move)."""
@@ -338,9 +340,7 @@ def test_failure_copying_step_counts_to_the_device_changes_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("fault", [KeyboardInterrupt, RuntimeError])
-def test_fault_partway_through_the_update_refuses_until_a_checkpoint_is_loaded(
-    monkeypatch, fault
-):
+def test_fault_partway_through_the_update_refuses_until_a_checkpoint_is_loaded(monkeypatch, fault):
     """Chunk 1 updated, chunk 2 not: that cannot be undone cheaply, so the optimizer refuses
     to step or save (never silently continues from a half-updated state) until a state dict is
     loaded; then it matches torch resuming from the same checkpoint."""
@@ -438,9 +438,7 @@ def malformed(state_dict: dict, how: str) -> dict:
     elif how == "list-moment":
         broken["state"][1]["exp_avg"] = broken["state"][1]["exp_avg"].tolist()
     elif how in ("version-str", "version-float", "version-bool"):
-        broken["offload_format_version"] = {"version-str": "1", "version-float": 1.0}.get(
-            how, True
-        )
+        broken["offload_format_version"] = {"version-str": "1", "version-float": 1.0}.get(how, True)
     elif how == "transposed-moment":
         broken["state"][0]["exp_avg"] = broken["state"][0]["exp_avg"].t().contiguous()
     elif how == "groups-not-a-list":

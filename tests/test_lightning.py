@@ -203,3 +203,21 @@ def test_cosine_schedule_needs_a_finite_training_length(tmp_path):
         model.configure_optimizers()  # no Trainer
     with pytest.raises(ValueError, match="max_steps or max_epochs"):
         trainer(tmp_path, max_steps=-1, max_epochs=-1).fit(model)
+
+
+def test_the_mixins_optimizer_is_freed_without_the_cycle_collector():
+    """Its hooks reference the optimizer weakly: pinned host buffers go when it goes."""
+    import gc
+    import weakref
+
+    model = TinyModel()
+    optimizer = model.configure_optimizers()
+    model.net[0].weight.grad = torch.ones_like(model.net[0].weight)
+    optimizer.step()
+    buffers = weakref.ref(optimizer._host.arenas[0].buffers["exp_avg"])
+    gc.disable()
+    try:
+        del optimizer
+        assert buffers() is None
+    finally:
+        gc.enable()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -190,7 +191,7 @@ def test_registered_host_buffers_own_their_pages():
         raw = buffer.untyped_storage()
         assert raw.data_ptr() <= start and start + nbytes <= raw.data_ptr() + raw.nbytes()
     ranges = sorted(registered)
-    assert all(a + n <= b for (a, n), (b, _) in zip(ranges, ranges[1:], strict=False))
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(ranges))
 
 
 def test_registration_in_pieces_and_clean_up_after_a_failure(monkeypatch):

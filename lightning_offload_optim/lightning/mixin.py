@@ -205,14 +205,17 @@ def split_groups_added_later(optimizer: torch.optim.Optimizer, model: torch.nn.M
     decay, as the mixin's own groups do: a group added later (``BaseFinetuning`` unfreezing a
     backbone) becomes a decayed and a ``weight_decay=0`` group, linked so that an lr set by hand
     on one (``BackboneFinetuning``) reaches both."""
-    add = optimizer.add_param_group
-    model_ref = weakref.ref(model)  # the optimizer must not keep the model alive
+    add = type(optimizer).add_param_group
+    # Weak references: the optimizer must keep neither the model nor itself alive (a cycle
+    # would leave its host buffers to the cyclic garbage collector).
+    model_ref, optimizer_ref = weakref.ref(model), weakref.ref(optimizer)
 
     def add_param_group(param_group: dict[str, Any]) -> None:
-        model = model_ref()
+        model, optimizer = model_ref(), optimizer_ref()
+        assert optimizer is not None  # called through it
         params = param_group.get("params")
         if model is None or isinstance(params, torch.Tensor) or params is None:
-            return add(param_group)
+            return add(optimizer, param_group)
         params = list(params)
         existing = {id(p) for g in optimizer.param_groups for p in g["params"]}
         decay = param_group.get("weight_decay", optimizer.defaults["weight_decay"])
@@ -220,10 +223,10 @@ def split_groups_added_later(optimizer: torch.optim.Optimizer, model: torch.nn.M
         kept = [p for p in params if isinstance(p, torch.Tensor) and id(p) in spared]
         decayed = [p for p in params if not (isinstance(p, torch.Tensor) and id(p) in spared)]
         if decay == 0 or not kept or not decayed or any(id(p) in existing for p in params):
-            return add({**param_group, "params": params})  # torch's checks and errors apply
+            return add(optimizer, {**param_group, "params": params})  # torch's checks apply
         link = 1 + max((g.get(LINKED_GROUP_KEY, -1) for g in optimizer.param_groups), default=-1)
-        add({**param_group, "params": decayed, LINKED_GROUP_KEY: link})
-        add({**param_group, "params": kept, "weight_decay": 0.0, LINKED_GROUP_KEY: link})
+        add(optimizer, {**param_group, "params": decayed, LINKED_GROUP_KEY: link})
+        add(optimizer, {**param_group, "params": kept, "weight_decay": 0.0, LINKED_GROUP_KEY: link})
 
     optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
     seen: list[float] = []  # each group's lr at the previous step
