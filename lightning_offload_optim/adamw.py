@@ -24,6 +24,7 @@ from lightning_offload_optim.host_state import (
     MOMENT_KEYS,
     Arena,
     HostState,
+    ParamLayout,
     Slot,
     state_keys,
 )
@@ -385,7 +386,7 @@ class OffloadAdamW(torch.optim.AdamW):
         params = (p for group in self.param_groups for p in group["params"])
         for index, param in zip(saved_params, params, strict=True):
             slot = self._host.slots.get(param)
-            if index in state_dict["state"] and slot is not None:
+            if state_dict["state"].get(index) and slot is not None:
                 moments = {key: slot.layout.unflat(slot.view(key)) for key in slot.arena.keys}
                 state_dict["state"][index] = {**state_dict["state"][index], **moments}
         return state_dict
@@ -427,7 +428,12 @@ class OffloadAdamW(torch.optim.AdamW):
                 else entry
                 for index, entry in state_dict["state"].items()
             },
-            "param_groups": state_dict["param_groups"],
+            # Without ``fused``, torch's cast leaves step counts where they are instead of
+            # moving each to its parameter's device (they are kept on the host).
+            "param_groups": [
+                {k: v for k, v in group.items() if k != "fused"}
+                for group in state_dict["param_groups"]
+            ],
         }
         with self._load_hooks_suspended():  # they run here, around the whole load
             super().load_state_dict(stripped)
@@ -464,14 +470,19 @@ class OffloadAdamW(torch.optim.AdamW):
         state.update({name: getattr(self, name) for name in _SETTINGS})
         if self.enabled:
             self._pipeline.wait_host()
-            members: dict[int, list[tuple[Tensor, int]]] = {id(a): [] for a in self._host.arenas}
+            members: dict[int, list[tuple[Tensor, int, ParamLayout]]] = {
+                id(a): [] for a in self._host.arenas
+            }
             for param, slot in self._host.slots.items():
-                members[id(slot.arena)].append((param, slot.offset))
+                members[id(slot.arena)].append((param, slot.offset, slot.layout))
             state["offloaded"] = [(a.buffers, members[id(a)]) for a in self._host.arenas]
             state["interrupted"] = self._interrupted
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "offloaded" not in state and "_host" in self.__dict__:
+            super().__setstate__(state)  # torch's load_state_dict installing the loaded state
+            return
         state = dict(state)
         offloaded = state.pop("offloaded", [])
         interrupted = state.pop("interrupted", None)
@@ -480,14 +491,16 @@ class OffloadAdamW(torch.optim.AdamW):
         self._interrupted = interrupted
         requests, sources = [], []
         for buffers, members in offloaded:
-            for param, offset in members:
+            for param, offset, layout in members:
                 requests.append((param, tuple(buffers)))
-                sources.append((param, buffers, offset))
+                sources.append((param, buffers, offset, layout))
         slots = self._host.allocate(requests)
-        for param, buffers, offset in sources:  # into buffers of its own, never aliased
+        for param, buffers, offset, layout in sources:  # into buffers of its own, never aliased
             slot = slots[param]
             for key, buffer in buffers.items():
-                slot.view(key).copy_(buffer[offset : offset + slot.layout.numel])
+                # The saved memory order may predate a stride change not yet followed.
+                saved = layout.unflat(buffer[offset : offset + layout.numel])
+                slot.view(key).copy_(slot.layout.flat(saved))
         self._host.adopt(slots)
 
     # ------------------------------------------------------------ inspection

@@ -16,6 +16,7 @@ warning.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import warnings
 import weakref
@@ -106,14 +107,29 @@ def host_empty(numel: int, dtype: torch.dtype) -> Tensor:
     return torch.empty(numel, dtype=dtype)
 
 
+class PinningError(RuntimeError):
+    """Host memory could not be page-locked (the state then stays pageable)."""
+
+
+def _consume_cuda_error() -> None:
+    """A failed CUDA runtime call leaves its error behind as the thread's "last error", and
+    torch's next kernel launch check would raise it as its own. A tiny launch consumes it."""
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device="cuda")
+
+
 def _cuda_host_register(pointer: int, nbytes: int, device: torch.device) -> int:
     """cudaHostRegister(Portable): page-lock a host range for every CUDA context."""
     with torch.cuda.device(device):
-        return int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 1))
+        error = int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 1))
+        if error != 0:
+            _consume_cuda_error()
+    return error
 
 
 def _cuda_host_unregister(pointer: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+    if int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0:
+        _consume_cuda_error()
 
 
 def registered_empty(
@@ -127,7 +143,7 @@ def registered_empty(
     The raw allocation has a page of slack so that a page-aligned, page-rounded range fits
     inside it: no other allocation shares a registered page (registering a page twice fails).
     Ranges of :data:`MAX_REGISTRATION_BYTES` or more are registered in pieces. Returns the buffer
-    and the registered pointers; raises ``RuntimeError`` naming the error (nothing stays
+    and the registered pointers; raises :class:`PinningError` naming the error (nothing stays
     registered then).
     """
     nbytes = numel * dtype.itemsize
@@ -142,7 +158,7 @@ def registered_empty(
         if error != 0:
             for done in registered:
                 unregister(done)
-            raise RuntimeError(
+            raise PinningError(
                 f"cudaHostRegister of {rounded / 2**30:.2f} GiB failed with error {error}"
             )
         registered.append(pointer)
@@ -150,11 +166,15 @@ def registered_empty(
 
 
 def _pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[int]]:
-    """A pinned host buffer for state staged to ``device``; raises when it cannot be pinned."""
+    """A pinned host buffer for state staged to ``device``; :class:`PinningError` if the host
+    refuses to pin it."""
     if device.type == "cuda":
         return registered_empty(numel, dtype, lambda p, n: _cuda_host_register(p, n, device))
     # Other accelerators: torch's pinned allocator (rounds sizes up to a power of two).
-    return torch.empty(numel, dtype=dtype, pin_memory=True), []
+    try:
+        return torch.empty(numel, dtype=dtype, pin_memory=True), []
+    except RuntimeError as error:
+        raise PinningError(str(error)) from error
 
 
 def _release_pinned(
@@ -176,7 +196,7 @@ class Arena:
 
     ``pin`` asks for page-locked buffers; :attr:`pinned` says whether they are. Copies still
     writing into pinned buffers when the arena is dropped are waited for before the memory is
-    unpinned and freed. Raises ``RuntimeError`` if pinning was asked for and failed.
+    unpinned and freed. Raises :class:`PinningError` if pinning was asked for and failed.
     """
 
     def __init__(
@@ -194,10 +214,10 @@ class Arena:
         for layout in layouts:
             self.offsets.append(self.numel)
             self.numel += layout.numel
-        self.pinned = pin
+        self.pinned = pin and self.numel > 0
         self._in_flight: list[torch.Event | None] = [None]
         self.buffers: dict[str, Tensor] = {}
-        if not pin or self.numel == 0:
+        if not self.pinned:
             for key in keys:
                 self.buffers[key] = host_empty(self.numel, dtype)
             return
@@ -300,7 +320,7 @@ class HostState:
             return Arena(layouts, keys, dtype, pin=False)
         try:
             return Arena(layouts, keys, dtype, pin=True)
-        except RuntimeError as error:
+        except PinningError as error:
             self.pin_failed = True
             warnings.warn(
                 f"OffloadAdamW could not pin host memory for its state ({error}); keeping it "
@@ -342,4 +362,6 @@ class HostState:
 
     @property
     def pinned(self) -> bool:
-        return bool(self.arenas) and all(a.pinned for a in self.arenas)
+        """Whether every buffer holding state is page-locked (empty arenas hold none)."""
+        holding = [a for a in self.arenas if a.numel]
+        return bool(holding) and all(a.pinned for a in holding)

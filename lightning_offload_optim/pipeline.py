@@ -162,8 +162,9 @@ class StagingPipeline:
         """Call ``update(chunk, views)`` for every chunk, ``views`` holding its state by key.
 
         ``views`` also holds a :data:`GRAD_KEY` scratch for chunks with a master copy. Staged
-        chunks are written back to the host asynchronously; :meth:`wait_host` waits for that.
-        Returns the step's :class:`StepRecord` (also kept as :attr:`last_record`).
+        chunks are written back to the host asynchronously; :meth:`wait_host` waits for that,
+        also after a step interrupted partway (:meth:`_settle`). Returns the step's
+        :class:`StepRecord` (also kept as :attr:`last_record`).
         """
         record = StepRecord()
         started = time.perf_counter()
@@ -177,17 +178,21 @@ class StagingPipeline:
             # allocated), and the host buffers may still be written by the last copy-out.
             streams.wait(streams.copy_in, streams.record(compute))
             streams.wait(streams.copy_in, self._host_ready.get(device))
-        for index, chunk in enumerate(chunks):
-            kind = (chunk.arena.device, chunk.arena.dtype)
-            is_staged = chunk.arena.device in staged
-            number = index % self.num_buffers if is_staged else 0
-            keys = self._staged_keys(chunk)
-            buffer = self._buffers[kind][number] if keys else {}
-            views = {key: buffer[key][: chunk.numel] for key in keys}
-            if is_staged:
-                self._run_staged(chunk, views, update, number, record)
-            else:
-                update(chunk, views | chunk.host_views())
+        try:
+            for index, chunk in enumerate(chunks):
+                kind = (chunk.arena.device, chunk.arena.dtype)
+                is_staged = chunk.arena.device in staged
+                number = index % self.num_buffers if is_staged else 0
+                keys = self._staged_keys(chunk)
+                buffer = self._buffers[kind][number] if keys else {}
+                views = {key: buffer[key][: chunk.numel] for key in keys}
+                if is_staged:
+                    self._run_staged(chunk, views, update, number, record)
+                else:
+                    update(chunk, views | chunk.host_views())
+        except BaseException:
+            self._settle(staged, chunks)
+            raise
         timed_on_device = False
         for device in staged:
             streams = self._streams[device]
@@ -231,6 +236,18 @@ class StagingPipeline:
             chunk.arena.written_by(free[number])
         record.bytes_in += nbytes
         record.bytes_out += nbytes
+
+    def _settle(self, devices: set[torch.device], chunks: Sequence[Chunk]) -> None:
+        """After a fault partway through :meth:`run`: copies may have been queued whose events
+        were never recorded. Mark all work on the copy streams so far as the host buffers' last
+        use, so that reading them (:meth:`wait_host`) or freeing them waits for it."""
+        for device in devices:
+            streams = self._streams[device]
+            streams.wait(streams.copy_out, streams.record(streams.copy_in))
+            self._host_ready[device] = streams.record(streams.copy_out)
+        for chunk in chunks:
+            if chunk.arena.device in devices:
+                chunk.arena.written_by(self._host_ready[chunk.arena.device])
 
     def wait_host(self) -> None:
         """Block until every staged chunk has been written back to the host buffers."""

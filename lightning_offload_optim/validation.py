@@ -233,6 +233,8 @@ def match_loaded_state(
             continue
         param, amsgrad, where = owner[key]
         where = f"{where} (key {key!r})"
+        if isinstance(entry, Mapping) and not entry:
+            continue  # no state yet (torch's state is a defaultdict: reading it adds {})
         if not isinstance(entry, Mapping):
             raise ValueError(
                 f"loaded state for {where} is {_kind(entry)}; expected a dict of state such as "

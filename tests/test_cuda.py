@@ -228,3 +228,28 @@ def test_many_tiny_arenas_next_to_large_ones_are_all_pinned():
     assert stats["host_bytes"] <= stats["state_bytes"] + page_slack
     del opt  # unregistering waits for in-flight copies and must not fail
     torch.cuda.synchronize()
+
+
+def test_refused_pinning_falls_back_and_the_next_kernels_run(monkeypatch):
+    """A failed cudaHostRegister stays behind as CUDA's "last error", which torch's next kernel
+    launch check would raise as its own error. Provoke a real failure (registering a range
+    twice): the optimizer must warn once, keep the state pageable and train exactly."""
+    from lightning_offload_optim import host_state
+
+    real_register = host_state._cuda_host_register
+
+    def refused(pointer: int, nbytes: int, device: torch.device) -> int:
+        assert real_register(pointer, nbytes, device) == 0
+        error = real_register(pointer, nbytes, device)  # already registered: a real error
+        host_state._cuda_host_unregister(pointer)
+        return error
+
+    monkeypatch.setattr(host_state, "_cuda_host_register", refused)
+    params = make_params(SHAPES, device=CUDA)
+    reference = clone_params(params)
+    with pytest.warns(UserWarning, match="could not pin host memory"):
+        offload = OffloadAdamW(params, lr=0.01, chunk_size=CHUNK)
+        torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
+        step_together([offload, torch_opt], [params, reference], torch.Generator(), 3)
+    assert offload.memory_stats()["pinned"] is False
+    assert_same(params, reference)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
+import warnings
 
 import pytest
 import torch
@@ -235,3 +237,36 @@ def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(monkeypa
     assert len(pin_warnings) == 1
     assert opt.memory_stats()["pinned"] is False
     assert_same(params, reference)
+
+
+def test_pinning_failure_warns_once_across_loads(monkeypatch):
+    """A load lays the state out afresh: it must not retry pinning or warn again."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    params = make_params()
+    with pytest.warns(UserWarning) as warned:
+        opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+        step_together([opt], [params], torch.Generator().manual_seed(0), 1)
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        step_together([opt], [params], torch.Generator().manual_seed(1), 1)
+    assert sum("could not pin host memory" in str(w.message) for w in warned) == 1
+
+
+def test_host_out_of_memory_is_not_taken_for_a_pinning_failure(monkeypatch):
+    """Only a refusal to pin falls back to pageable memory; running out of host memory is an
+    error (silently retrying pageable would hide it and disable pinning for the run)."""
+    from lightning_offload_optim import host_state
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("simulated: DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(host_state, "_pinned_empty", out_of_memory)
+    params = make_params()
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    set_grads([params], torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="can't allocate memory"):
+            opt.step()
+    assert not opt.state and opt._host.pin_failed is False

@@ -358,3 +358,49 @@ def test_load_hooks_behave_as_in_torch(mode):
     again = save_and_load(offload.state_dict())
     assert again["state"]["loaded_by_hook"] is True
     OffloadAdamW(params, lr=0.01, **mode).load_state_dict(again)
+
+
+def test_loading_keeps_the_optimizers_machinery():
+    """torch's load ends by calling __setstate__; that must not rebuild the pipeline, the host
+    store or the state_dict hook (each load added another hook and forgot a pinning failure)."""
+    params = make_params()
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    step_together([opt], [params], torch.Generator().manual_seed(20), 1)
+    pipeline, host = opt._pipeline, opt._host
+    for _ in range(3):
+        opt.load_state_dict(save_and_load(opt.state_dict()))
+    assert opt._pipeline is pipeline and opt._host is host
+    assert len(opt._optimizer_state_dict_post_hooks) == 1
+
+
+def test_copy_made_after_a_stride_change_keeps_the_moments():
+    """The state is reordered at the next step; a copy taken before that must still read it in
+    the order it was written."""
+    params = [torch.nn.Parameter(torch.randn(8, 3, 5, 5))]
+    opt = OffloadAdamW(params)
+    step_together([opt], [params], torch.Generator().manual_seed(21), 2)
+    expected = opt.offloaded_state(params[0])
+    params[0].data = params[0].data.contiguous(memory_format=torch.channels_last)
+    for copied in (copy.deepcopy(opt), save_and_load_object(opt)):
+        state = copied.offloaded_state(params_of(copied)[0])
+        assert_same(list(state.values()), list(expected.values()))
+
+
+def test_empty_state_entries_load_as_torch_loads_them():
+    """optimizer.state is a defaultdict: reading it for a parameter without state adds {}, which
+    state_dict() then saves. torch's AdamW loads that; so does OffloadAdamW."""
+    params = make_params()
+    reference = clone_params(params)
+    offload = OffloadAdamW(params)
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    generator = torch.Generator().manual_seed(22)
+    step_together([offload, torch_opt], [params, reference], generator, 2, skip=lambda i: i == 1)
+    offload.state[params[1]], torch_opt.state[reference[1]]  # reading adds the {}
+    saved = save_and_load(offload.state_dict())
+    assert saved["state"][1] == {}
+    for opt in (OffloadAdamW(params), torch.optim.AdamW(reference, fused=True)):
+        opt.load_state_dict(copy.deepcopy(saved))
+    offload.load_state_dict(copy.deepcopy(saved))
+    torch_opt.load_state_dict(copy.deepcopy(saved))
+    step_together([offload, torch_opt], [params, reference], generator, 2)
+    assert_same(params, reference)

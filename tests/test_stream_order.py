@@ -8,6 +8,7 @@ mutant, and none for the pipeline as written.
 from __future__ import annotations
 
 import ast
+import copy
 import sys
 import types
 from pathlib import Path
@@ -20,6 +21,7 @@ from stream_checker import StreamChecker
 import lightning_offload_optim.pipeline
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim import adamw as adamw_module
+from lightning_offload_optim.step_stats import COPY_OUT, StepRecord
 
 PIPELINE = Path(lightning_offload_optim.pipeline.__file__)
 
@@ -85,7 +87,7 @@ def load_pipeline(source: str) -> types.ModuleType:
     return module
 
 
-def scenario() -> None:
+def scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Staged steps that exercise every ordering of the pipeline, then reads of the host state.
 
     Four 64-element parameters and 64-element chunks: four chunks alternate between the two
@@ -93,7 +95,11 @@ def scenario() -> None:
     buffers with nothing else ordering them before the first copy-in. The second step updates
     only the last parameter, whose chunk then lands in the other buffer than before: only the
     wait for the previous step's last copy-out orders its copy-in. bf16 parameters join later,
-    with a master copy and the gradient scratch.
+    with a master copy and the gradient scratch. Last, a step interrupted right after a chunk's
+    copy-out was queued, and one in the update of a chunk whose copy-in was queued, each followed
+    by reads of the state and a load of a checkpoint.
+
+    Returns what the checker cannot see (frees are not aten ops): see :func:`_unsettled_arenas`.
     """
     fp32 = make_params([(64,), (64,), (64,), (64,)])
     bf16 = make_params([(64,), (64,)], dtype=torch.bfloat16, seed=1)
@@ -103,21 +109,72 @@ def scenario() -> None:
     step_together([opt], [params], generator, 1, skip=lambda i: i >= 4)
     step_together([opt], [params], generator, 1, skip=lambda i: i != 3)
     step_together([opt], [params], generator, 2)
-    for param in fp32 + bf16:
+    for param in params:
         opt.offloaded_state(param)
+    checkpoint = copy.deepcopy(opt.state_dict())
+    problems = []
+    for interrupt in (_after_first_copy_out, _inside_second_update):
+        with monkeypatch.context() as patch:
+            interrupt(patch)
+            with pytest.raises(KeyboardInterrupt):
+                step_together([opt], [params], generator, 1)
+        for param in params:
+            opt.offloaded_state(param)
+        problems += _unsettled_arenas(opt)
+        opt.load_state_dict(copy.deepcopy(checkpoint))
+    return problems
+
+
+def _after_first_copy_out(patch: pytest.MonkeyPatch) -> None:
+    """Interrupt right after a chunk's copy-out was queued, before its event is recorded."""
+    real_add_span = StepRecord.add_span
+
+    def add_span(self, kind, begin, end):
+        real_add_span(self, kind, begin, end)
+        if kind == COPY_OUT:
+            raise KeyboardInterrupt("simulated")
+
+    patch.setattr(StepRecord, "add_span", add_span)
+
+
+def _inside_second_update(patch: pytest.MonkeyPatch) -> None:
+    """Interrupt in the update of a chunk whose copy-in is queued and whose copy-out is not."""
+    calls = []
+    real_update = adamw_module.adamw_update
+
+    def update(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("simulated")
+        return real_update(*args, **kwargs)
+
+    patch.setattr(adamw_module, "adamw_update", update)
+
+
+def _unsettled_arenas(opt: OffloadAdamW) -> list[str]:
+    """Pinned buffers are unregistered and freed once their arena's last-use event is done, so
+    after an interrupted step that event must cover all work queued on both copy streams."""
+    streams = opt._pipeline._streams[torch.device("cpu")]
+    problems = []
+    for arena in opt._host.arenas:
+        last_use = arena._in_flight[0]
+        for stream in (streams.copy_in, streams.copy_out):
+            if last_use is None or last_use.clock.get(stream.id, 0) < stream.clock[stream.id]:
+                problems.append(f"an arena could be freed while the {stream} still uses it")
+    return problems
 
 
 def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(adamw_module, "StagingPipeline", pipeline.StagingPipeline)
     with StreamChecker() as checker:
-        scenario()
-    return checker.violations
+        problems = scenario(monkeypatch)
+    return checker.violations + problems
 
 
 def test_the_harness_finds_every_ordering_step():
-    """Five waits, four data-ordering events and one host wait today: a new one counts too."""
+    """Six waits, six data-ordering events and one host wait today: a new one counts too."""
     kinds = [label.split(": ", 1)[1].split("(")[0] for label, _ in MUTANTS]
-    assert sorted(kinds) == ["event.synchronize"] + ["streams.record"] * 4 + ["streams.wait"] * 5
+    assert sorted(kinds) == ["event.synchronize"] + ["streams.record"] * 6 + ["streams.wait"] * 6
 
 
 @pytest.mark.no_stream_check  # it runs its own checker
