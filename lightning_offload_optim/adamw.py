@@ -168,10 +168,12 @@ class OffloadAdamW(torch.optim.AdamW):
         All or nothing where it can be: hyperparameters of every group, gradients, parameter
         layouts, host and staging allocations and the step counts' copies to the device are all
         checked and made before the first parameter, moment or step count changes, so a step
-        that raises for any of these leaves model and optimizer exactly as they were. A fault
-        during the update itself (a device error, ``KeyboardInterrupt``) can leave some chunks
-        updated and others not; that cannot be undone cheaply, so the optimizer then refuses
-        further ``step()`` and ``state_dict()`` calls with an error until a state dict is loaded.
+        that raises for any of these leaves model and optimizer exactly as they were. An
+        exception during the update itself (``KeyboardInterrupt``, an error raised by a kernel
+        or copy as it is queued) can leave some chunks updated and others not; that cannot be
+        undone cheaply, so the optimizer then refuses further ``step()`` and ``state_dict()``
+        calls with an error until a state dict is loaded. (A device-side fault surfaces later,
+        at some synchronisation, and usually leaves the CUDA context unusable.)
         """
         loss = None
         if closure is not None:
