@@ -80,6 +80,22 @@ def step_together(
             optimizer.step()
 
 
+def fail_on_call(
+    monkeypatch: pytest.MonkeyPatch, target: object, name: str, number: int, error: BaseException
+) -> None:
+    """Make ``target.name`` raise ``error`` on its ``number``-th call; other calls run as usual."""
+    real = getattr(target, name)
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == number:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, wrapper)
+
+
 def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert torch.equal(x.detach().cpu(), y.detach().cpu()), (

@@ -7,7 +7,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_same, clone_params, make_params, set_grads, step_together
+from conftest import (
+    assert_same,
+    clone_params,
+    fail_on_call,
+    make_params,
+    set_grads,
+    step_together,
+)
 
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim import pipeline as pipeline_module
@@ -349,16 +356,8 @@ def test_fault_partway_through_the_update_refuses_until_a_checkpoint_is_loaded(m
     opt, params = trained(force_staging=True, chunk_size=64)
     checkpoint = copy.deepcopy(opt.state_dict())
     weights = [p.detach().clone() for p in params]
-    calls = []
-    real_update = adamw_module.adamw_update
-
-    def faulty(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise fault("simulated fault in the second chunk")
-        return real_update(*args, **kwargs)
-
-    monkeypatch.setattr(adamw_module, "adamw_update", faulty)
+    fault_in_second_chunk = fault("simulated fault in the second chunk")
+    fail_on_call(monkeypatch, adamw_module, "adamw_update", 2, fault_in_second_chunk)
     with pytest.raises(fault, match="simulated fault"):
         opt.step()
     monkeypatch.undo()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_params, step_together
+from conftest import fail_on_call, make_params, step_together
 from stream_checker import StreamChecker
 
 import lightning_offload_optim.pipeline
@@ -139,16 +139,7 @@ def _after_first_copy_out(patch: pytest.MonkeyPatch) -> None:
 
 def _inside_second_update(patch: pytest.MonkeyPatch) -> None:
     """Interrupt in the update of a chunk whose copy-in is queued and whose copy-out is not."""
-    calls = []
-    real_update = adamw_module.adamw_update
-
-    def update(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt("simulated")
-        return real_update(*args, **kwargs)
-
-    patch.setattr(adamw_module, "adamw_update", update)
+    fail_on_call(patch, adamw_module, "adamw_update", 2, KeyboardInterrupt("simulated"))
 
 
 def _unsettled_arenas(opt: OffloadAdamW) -> list[str]:
