@@ -21,19 +21,23 @@ from torch.optim.optimizer import ParamsT
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT, adamw_update
 from lightning_offload_optim.host_state import (
     MASTER_KEY,
-    MOMENT_KEYS,
+    OFFLOADED_KEYS,
     Arena,
     HostState,
+    Offloaded,
     ParamLayout,
     Slot,
     state_keys,
 )
 from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
+from lightning_offload_optim.sharding import like_param, local
 from lightning_offload_optim.step_stats import StepRecord
 from lightning_offload_optim.validation import (
     FORMAT_KEY,
     FORMAT_VERSION,
     Hyperparameters,
+    LoadedEntry,
+    check_entry,
     check_gradient,
     describe,
     group_hyperparameters,
@@ -203,7 +207,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._plans.clear()
                 for a in active:
                     if a.param in new_slots:
-                        self.state[a.param]["step"] = a.step
+                        self._mark_offloaded(a.param, a.slot, a.step)
             # A tensor increment: 4x faster than a Python scalar over many tensors on the CPU.
             torch._foreach_add_(host_steps, torch.tensor(1.0), alpha=1.0)
             self._pipeline.run(chunks, update)
@@ -225,6 +229,7 @@ class OffloadAdamW(torch.optim.AdamW):
         """Check this step's parameters; lay out (not yet adopt) state for new ones."""
         found: list[tuple[Tensor, int, Slot | None, Tensor | None]] = []
         new: list[tuple[Tensor, tuple[str, ...]]] = []
+        foreign: list[tuple[Tensor, int, int]] = []
         slots, states = self._host.slots, self.state
         for g, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
@@ -236,11 +241,8 @@ class OffloadAdamW(torch.optim.AdamW):
                 if not state:  # a first step, or state cleared since
                     new.append((param, state_keys(param, group["amsgrad"])))
                     slot = None
-                elif slot is None:
-                    raise RuntimeError(
-                        f"{describe(g, position)} has a step count but no offloaded state; "
-                        "was optimizer.state edited by hand?"
-                    )
+                elif not isinstance(state.get("exp_avg"), Offloaded):
+                    foreign.append((param, g, position))  # not ours: written into .state
                 elif group["amsgrad"] and "max_exp_avg_sq" not in slot.arena.keys:
                     raise RuntimeError(
                         f"{describe(g, position)} has no max_exp_avg_sq: amsgrad cannot be "
@@ -249,28 +251,31 @@ class OffloadAdamW(torch.optim.AdamW):
                 else:
                     self._check_unchanged(param, slot, g, position)
                 found.append((param, g, slot, state["step"] if state else None))
+        if foreign:
+            self._adopt_state(foreign)
+            return self._collect_active()
         new_slots = self._host.allocate(new) if new else {}
         active = []
         for param, g, slot, step in found:
             if slot is None:
                 slot = new_slots[param]
                 step = torch.zeros((), dtype=torch.float32)
-            flat_grad = slot.layout.flat(param.grad)
+            flat_grad = slot.layout.flat(local(param.grad))
             active.append(_Active(param, slot, g, slot.flat_param(param), flat_grad, step))
         return active, new_slots
 
     def _check_unchanged(self, param: Tensor, slot: Slot, group: int, position: int) -> None:
         """Refuse a parameter whose shape, dtype or device changed; follow a stride change
         (``model.to(memory_format=torch.channels_last)``) by reordering its state."""
-        layout = slot.layout
-        now = (param.shape, param.dtype, param.device, param.stride())
+        layout, part = slot.layout, local(param)
+        now = (part.shape, part.dtype, part.device, part.stride())
         if now == (layout.shape, layout.dtype, layout.device, layout.stride):
             return
-        if (param.shape, param.dtype, param.device) != (layout.shape, layout.dtype, layout.device):
+        if now[:3] != (layout.shape, layout.dtype, layout.device):
             raise RuntimeError(
                 f"{describe(group, position)} changed since its optimizer state was created: "
-                f"it was {layout.describe()} and is now shape {tuple(param.shape)}, strides "
-                f"{param.stride()}, dtype {param.dtype}, device {param.device}. Move or cast "
+                f"it was {layout.describe()} and is now shape {tuple(part.shape)}, strides "
+                f"{part.stride()}, dtype {part.dtype}, device {part.device}. Move or cast "
                 "the model before creating the optimizer, or create a new optimizer."
             )
         self._pipeline.wait_host()
@@ -371,10 +376,13 @@ class OffloadAdamW(torch.optim.AdamW):
         """torch.optim.AdamW's format, loadable by it: per parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (and ``max_exp_avg_sq``), plus ``master_param`` for bf16/fp16 params.
 
-        The moments are fp32 views of the host buffers, as torch returns references to its state.
+        The moments are fp32 views of the host buffers, as torch returns references to its state;
+        for DTensor parameters they are DTensors with the parameter's mesh, placements, global
+        shape and stride over this rank's host buffers, as torch AdamW's DTensor state is.
         """
         if self.enabled:
             self._refuse_if_interrupted()
+            self._adopt_state(self._foreign_entries())
         return super().state_dict()  # the offloaded state is added by _add_offloaded_state
 
     @staticmethod
@@ -389,7 +397,10 @@ class OffloadAdamW(torch.optim.AdamW):
         for index, param in zip(saved_params, params, strict=True):
             slot = self._host.slots.get(param)
             if state_dict["state"].get(index) and slot is not None:
-                moments = {key: slot.layout.unflat(slot.view(key)) for key in slot.arena.keys}
+                moments = {
+                    key: like_param(param, slot.layout.unflat(slot.view(key)))
+                    for key in slot.arena.keys
+                }
                 state_dict["state"][index] = {**state_dict["state"][index], **moments}
         return state_dict
 
@@ -397,11 +408,17 @@ class OffloadAdamW(torch.optim.AdamW):
         """Load a state dict of this optimizer or of ``torch.optim.AdamW``.
 
         Moments are copied straight into host buffers as fp32 (never through the device, never
-        cast to a bf16 parameter's dtype). State keys may be ints or parameter names, as long as
-        the param groups list the same keys. Load pre-hooks run first and may edit anything;
-        then the dict is checked whole, and a refused dict leaves the optimizer unchanged.
-        Post-hooks run last and see the loaded state. Loading also clears the refusal that
-        follows an interrupted step.
+        cast to a bf16 parameter's dtype). When every parameter keeps its layout they are
+        written into the current buffers, so the state is never held twice (a distributed
+        checkpoint loaded into this optimizer's own ``state_dict()`` costs no copy at all).
+        State keys may be ints or parameter names, as long as the param groups list the same
+        keys. For DTensor parameters each rank keeps its shard of DTensors sharded like the
+        parameter, of replicated DTensors and of full tensors; other shardings are refused on
+        every rank alike, without collectives.
+
+        Load pre-hooks run first and may edit anything; then the dict is checked whole, and a
+        refused dict leaves the optimizer unchanged. Post-hooks run last and see the loaded
+        state. Loading also clears the refusal that follows an interrupted step.
         """
         if not self.enabled:
             super().load_state_dict(state_dict)
@@ -414,18 +431,9 @@ class OffloadAdamW(torch.optim.AdamW):
             if result is not None:
                 state_dict = result
         matched = match_loaded_state(state_dict, self.param_groups)
-        self._pipeline.wait_host()  # the entries may be views of this optimizer's own buffers
-        slots = self._host.allocate([(m.param, state_keys(m.param, m.amsgrad)) for m in matched])
-        for m in matched:
-            slot = slots[m.param]
-            for key in slot.arena.keys:
-                source = m.entry.get(key, m.param.detach() if key == MASTER_KEY else None)
-                if source is not None:  # a torch AdamW checkpoint has no master copy
-                    slot.view(key).copy_(slot.layout.flat(source))
-        offloaded = (*MOMENT_KEYS, MASTER_KEY)
         stripped = {
             "state": {
-                index: {k: v for k, v in entry.items() if k not in offloaded}
+                index: {k: v for k, v in entry.items() if k not in OFFLOADED_KEYS}
                 if isinstance(entry, dict)
                 else entry
                 for index, entry in state_dict["state"].items()
@@ -437,20 +445,108 @@ class OffloadAdamW(torch.optim.AdamW):
                 for group in state_dict["param_groups"]
             ],
         }
-        with self._load_hooks_suspended():  # they run here, around the whole load
+        # Hooks run here, around the whole load, not inside torch's.
+        with self._writing_state(matched, replace=True), self._load_hooks_suspended():
             super().load_state_dict(stripped)
-        self._host.replace(slots)
-        self._plans.clear()
         self._interrupted = None
         for group in self.param_groups:
             _record_fused(group)
-            for param in group["params"]:  # fused or capturable AdamW saves steps on the device
-                state = self.state.get(param)
-                if state and "step" in state:  # a copy: steps advance in place
-                    step = torch.as_tensor(state["step"]).detach()
-                    state["step"] = step.to("cpu", torch.float32, copy=True).reshape(())
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _foreign_entries(self) -> list[tuple[Tensor, int, int]]:
+        """Parameters whose ``optimizer.state`` entry holds tensors under offloaded keys: written
+        there by something other than this optimizer (``ZeroRedundancyOptimizer.load_state_dict``
+        writes loaded state straight into the inner optimizer's ``state``)."""
+        return [
+            (param, g, position)
+            for g, group in enumerate(self.param_groups)
+            for position, param in enumerate(group["params"])
+            if any(isinstance(self.state.get(param, {}).get(k), Tensor) for k in OFFLOADED_KEYS)
+        ]
+
+    def _adopt_state(self, entries: list[tuple[Tensor, int, int]]) -> None:
+        """Move state found in ``optimizer.state`` into host buffers, checked as a load is."""
+        if not entries:
+            return
+        matched = [
+            check_entry(
+                self.state[param],
+                param,
+                self.param_groups[g]["amsgrad"],
+                f"{describe(g, position)} (found in optimizer.state)",
+            )
+            for param, g, position in entries
+        ]
+        with self._writing_state(matched, replace=False):
+            pass
+
+    @contextlib.contextmanager
+    def _writing_state(self, matched: list[LoadedEntry], replace: bool) -> Iterator[None]:
+        """Write checked entries into host buffers around the body (torch's own load).
+
+        The current buffers are written in place when every parameter keeps its layout and no
+        source overlaps another parameter's buffers: the state is then never held twice. Else
+        new buffers are filled before the body runs, so a failure leaves everything as it was.
+        In place, a failure partway leaves a mix, so the optimizer refuses to step until the
+        next load. Afterwards the entries' ``optimizer.state`` holds their step counts, as
+        float32 host copies, and :class:`Offloaded` marks.
+        """
+        self._pipeline.wait_host()  # the sources may be views of this optimizer's own buffers
+        requests = [(m.param, state_keys(m.param, m.amsgrad)) for m in matched]
+        slots = self._host.reusable(requests)
+        copies = self._loaded_copies(matched, slots) if slots is not None else None
+        if copies is None or any(self._host.overlaps(src) for _, src in copies):
+            slots = self._host.allocate(requests)
+            _copy_all(self._loaded_copies(matched, slots))
+            copies = []
+        try:
+            _copy_all(copies)
+            yield
+        except BaseException as error:
+            if copies:
+                self._interrupted = f"{type(error).__name__}: {error} (while loading state)"
+            raise
+        if replace:
+            self._host.replace(slots)
+        else:
+            self._host.adopt(slots)
+        self._plans.clear()
+        for m in matched:
+            # A copy (steps advance in place); fused or capturable AdamW saves them on the device.
+            step = torch.as_tensor(m.entry["step"]).detach()
+            self._mark_offloaded(m.param, slots[m.param], step.to("cpu", torch.float32, copy=True))
+
+    @staticmethod
+    def _loaded_copies(
+        matched: list[LoadedEntry], slots: dict[Tensor, Slot]
+    ) -> list[tuple[Tensor, Tensor]]:
+        """(destination, source) flat pairs for the loaded tensors, less those that already are
+        their destination (a load of this optimizer's own ``state_dict()``)."""
+        copies = []
+        for m in matched:
+            slot = slots[m.param]
+            for key in slot.arena.keys:
+                # A torch AdamW checkpoint has no master copy: it is the parameter itself.
+                source = m.local.get(key, local(m.param).detach() if key == MASTER_KEY else None)
+                if source is None:
+                    continue
+                source, destination = slot.layout.flat(source), slot.view(key)
+                same = (source.data_ptr(), source.dtype) == (
+                    destination.data_ptr(),
+                    slot.arena.dtype,
+                )
+                if not (same and source.is_contiguous()):
+                    copies.append((destination, source))
+        return copies
+
+    def _mark_offloaded(self, param: Tensor, slot: Slot, step: Tensor) -> None:
+        """Record ``param``'s step count and mark its offloaded keys in ``optimizer.state``."""
+        entry = self.state[param]
+        entry["step"] = step
+        for key in OFFLOADED_KEYS:
+            entry.pop(key, None)
+        entry.update({key: Offloaded(key) for key in slot.arena.keys})
 
     @contextlib.contextmanager
     def _load_hooks_suspended(self) -> Iterator[None]:
@@ -514,11 +610,15 @@ class OffloadAdamW(torch.optim.AdamW):
         """
         if not self.enabled:
             return {k: v.clone() for k, v in self.state.get(param, {}).items() if k != "step"}
+        self._adopt_state(self._foreign_entries())
         slot = self._host.slots.get(param)
         if slot is None or not self.state.get(param):
             return {}
         self._pipeline.wait_host()
-        return {key: slot.layout.unflat(slot.view(key)).clone() for key in slot.arena.keys}
+        return {
+            key: like_param(param, slot.layout.unflat(slot.view(key)).clone())
+            for key in slot.arena.keys
+        }
 
     @property
     def last_step(self) -> StepRecord | None:
@@ -542,6 +642,11 @@ class OffloadAdamW(torch.optim.AdamW):
             "pinned": self._host.pinned,
             "staging_bytes": self._pipeline.staging_bytes,
         }
+
+
+def _copy_all(copies: list[tuple[Tensor, Tensor]]) -> None:
+    for destination, source in copies:
+        destination.copy_(source)
 
 
 def _record_fused(group: dict[str, Any]) -> None:

@@ -26,10 +26,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_offload_optim.sharding import local
+
 #: torch.optim.AdamW's state keys that live in host buffers (``step`` stays in ``optimizer.state``).
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 #: The fp32 copy of a bf16/fp16 parameter that the update is computed on.
 MASTER_KEY = "master_param"
+
+#: Every key kept in host buffers.
+OFFLOADED_KEYS = (*MOMENT_KEYS, MASTER_KEY)
 
 PAGE_SIZE = mmap.PAGESIZE
 #: One cudaHostRegister call fails at 512 GiB or more: larger buffers are registered in pieces.
@@ -48,6 +53,27 @@ def state_keys(param: Tensor, amsgrad: bool) -> tuple[str, ...]:
     if state_dtype(param) != (param.real.dtype if param.is_complex() else param.dtype):
         keys.append(MASTER_KEY)
     return tuple(keys)
+
+
+class Offloaded:
+    """What ``optimizer.state[param]`` holds under a key whose values live in host buffers.
+
+    The key is listed where tools look for state names (a flattened distributed checkpoint
+    rebuilds only the names it finds there), but no tensor is: Lightning copies every tensor in
+    ``optimizer.state`` to the GPU when it resumes. ``state_dict()`` and
+    ``offloaded_state(param)`` give the values.
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"<{self.key} in host memory: see optimizer.offloaded_state(param)>"
+
+    def __reduce__(self) -> tuple:
+        return (Offloaded, (self.key,))
 
 
 @dataclass(frozen=True)
@@ -70,6 +96,8 @@ class ParamLayout:
 
     @classmethod
     def of(cls, param: Tensor) -> ParamLayout:
+        """The layout of ``param``'s local part (its shard, for a DTensor)."""
+        param = local(param)
         real = torch.view_as_real(param) if param.is_complex() else param
         order = tuple(sorted(range(real.dim()), key=lambda d: -real.stride(d)))
         if not real.permute(order).is_contiguous():
@@ -263,9 +291,9 @@ class Slot:
         it, and ``torch.utils.swap_tensors`` (``load_state_dict(assign=True)``, ``Module.to``
         with swapping on) refuses tensors that something else references.
         """
-        pointer = param.data_ptr()
+        pointer = local(param).data_ptr()
         if self._flat_param is None or self._flat_param[0] != pointer:
-            self._flat_param = (pointer, self.layout.flat(param.detach()))
+            self._flat_param = (pointer, self.layout.flat(local(param).detach()))
         return self._flat_param[1]
 
     def relayout(self, param: Tensor) -> None:
@@ -330,6 +358,32 @@ class HostState:
                 stacklevel=5,
             )
             return Arena(layouts, keys, dtype, pin=False)
+
+    def reusable(
+        self, requests: Sequence[tuple[Tensor, tuple[str, ...]]]
+    ) -> dict[Tensor, Slot] | None:
+        """The current slots of the requested parameters, if every one has a slot with these
+        keys and its parameter's current layout (so it can be written in place); else None."""
+        found = {}
+        for param, keys in requests:
+            slot = self.slots.get(param)
+            if slot is None or slot.arena.keys != keys or slot.layout != ParamLayout.of(param):
+                return None
+            found[param] = slot
+        return found
+
+    def overlaps(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` shares memory with any of the host buffers."""
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
+            return False
+        storage = tensor.untyped_storage()  # all of it: a cautious answer is a safe one
+        start = storage.data_ptr()
+        end = start + storage.nbytes()
+        return any(
+            b.data_ptr() < end and start < b.data_ptr() + b.numel() * b.element_size()
+            for a in self.arenas
+            for b in a.buffers.values()
+        )
 
     def adopt(self, slots: dict[Tensor, Slot]) -> None:
         """Make allocated slots part of this state; free arenas no slot uses any more."""

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_offload_optim.host_state import MASTER_KEY, MOMENT_KEYS
+from lightning_offload_optim.host_state import MASTER_KEY, MOMENT_KEYS, OFFLOADED_KEYS
+from lightning_offload_optim.sharding import check_same_sharding, local, local_source
 
 #: Version of the layout of offloaded state in ``state_dict()`` (key :data:`FORMAT_KEY`). A newer
 #: one is refused on load; older ones, and torch AdamW state dicts without the key, load.
@@ -110,11 +111,7 @@ def check_gradient(param: Tensor, group: int, position: int) -> None:
             f"OffloadAdamW does not support sparse gradients ({where}); use "
             "torch.optim.SparseAdam for sparse embeddings"
         )
-    if type(param).__name__ == "DTensor" or type(grad).__name__ == "DTensor":
-        raise RuntimeError(
-            f"OffloadAdamW does not support DTensor parameters yet ({where}): FSDP2 and "
-            "ModelParallel shard parameters as DTensors"
-        )
+    check_same_sharding(param, grad, where)
     if (grad.dtype, grad.device, grad.shape) != (param.dtype, param.device, param.shape):
         raise RuntimeError(
             f"the gradient of {where} is {grad.dtype} of shape {tuple(grad.shape)} on "
@@ -143,11 +140,16 @@ def check_format_version(version: Any, written_by: str = "") -> None:
 
 @dataclass
 class LoadedEntry:
-    """A saved per-parameter state entry, matched to its parameter and checked."""
+    """A saved per-parameter state entry, matched to its parameter and checked.
+
+    ``local`` holds the entry's offloaded tensors as this rank's part of them, shaped like the
+    parameter's local shard (the tensors themselves for plain parameters).
+    """
 
     param: Tensor
     entry: Mapping[str, Any]
     amsgrad: bool
+    local: dict[str, Tensor]
 
 
 def _check_step(value: Any, where: str) -> None:
@@ -166,7 +168,8 @@ def _check_step(value: Any, where: str) -> None:
         )
 
 
-def _check_tensor(name: str, value: Any, param: Tensor, where: str) -> None:
+def _check_tensor(name: str, value: Any, param: Tensor, where: str) -> Tensor:
+    """Check a loaded state tensor against its parameter; return this rank's part of it."""
     expected = f"a tensor of shape {tuple(param.shape)}"
     if not isinstance(value, Tensor):
         raise ValueError(f"loaded {name!r} for {where} is {_kind(value)}; expected {expected}")
@@ -183,6 +186,33 @@ def _check_tensor(name: str, value: Any, param: Tensor, where: str) -> None:
         )
     if value.device.type == "meta":
         raise ValueError(f"loaded {name!r} for {where} is on the meta device: it holds no values")
+    part = local_source(value, param, where)
+    if part.shape != local(param).shape:
+        raise ValueError(
+            f"loaded {name!r} for {where} holds a local shard of shape {tuple(part.shape)} on "
+            f"this rank, the parameter one of shape {tuple(local(param).shape)}"
+        )
+    return part
+
+
+def check_entry(entry: Any, param: Tensor, amsgrad: bool, where: str) -> LoadedEntry:
+    """Check one parameter's saved state entry (``step`` and its tensors) and match it."""
+    if not isinstance(entry, Mapping):
+        raise ValueError(
+            f"loaded state for {where} is {_kind(entry)}; expected a dict of state such as "
+            "'step', 'exp_avg' and 'exp_avg_sq'"
+        )
+    required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    missing = [k for k in required if k not in entry]
+    if missing:
+        raise KeyError(f"loaded state for {where} is missing {missing}")
+    _check_step(entry["step"], where)
+    parts = {
+        name: _check_tensor(name, entry[name], param, where)
+        for name in OFFLOADED_KEYS
+        if name in entry
+    }
+    return LoadedEntry(param, entry, amsgrad, parts)
 
 
 def match_loaded_state(
@@ -235,18 +265,5 @@ def match_loaded_state(
         where = f"{where} (key {key!r})"
         if isinstance(entry, Mapping) and not entry:
             continue  # no state yet (torch's state is a defaultdict: reading it adds {})
-        if not isinstance(entry, Mapping):
-            raise ValueError(
-                f"loaded state for {where} is {_kind(entry)}; expected a dict of state such as "
-                "'step', 'exp_avg' and 'exp_avg_sq'"
-            )
-        required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-        missing = [k for k in required if k not in entry]
-        if missing:
-            raise KeyError(f"loaded state for {where} is missing {missing}")
-        _check_step(entry["step"], where)
-        for name in (*MOMENT_KEYS, MASTER_KEY):
-            if name in entry:
-                _check_tensor(name, entry[name], param, where)
-        matched.append(LoadedEntry(param, entry, amsgrad))
+        matched.append(check_entry(entry, param, amsgrad, where))
     return matched

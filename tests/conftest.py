@@ -96,6 +96,26 @@ def fail_on_call(
     monkeypatch.setattr(target, name, wrapper)
 
 
+def assert_state_offloaded(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
+) -> None:
+    """The only tensor in each ``optimizer.state`` entry is its step count (Lightning copies
+    every other tensor there to the accelerator on set-up and resume); the offloaded keys are
+    listed with :class:`Offloaded` marks, as a flattened distributed checkpoint needs."""
+    # Imported here: importing Lightning before pytest's log capture starts detaches its logger.
+    from lightning_offload_optim.host_state import Offloaded
+
+    for i, p in enumerate(params):
+        entry = optimizer.state[p]
+        tensors = {k for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        assert tensors == {"step"}, f"parameter {i}: tensors under {sorted(tensors)}"
+        assert entry["step"].device.type == "cpu"
+        marks = {k for k, v in entry.items() if isinstance(v, Offloaded)}
+        assert marks | {"step"} == set(entry), f"parameter {i}: {entry}"
+        assert marks >= {"exp_avg", "exp_avg_sq"}
+        assert all(entry[k].key == k for k in marks)
+
+
 def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert torch.equal(x.detach().cpu(), y.detach().cpu()), (

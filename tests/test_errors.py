@@ -201,27 +201,6 @@ def test_gradient_of_another_dtype_is_refused_before_any_update():
     assert_unchanged(opt, params, before)
 
 
-@pytest.mark.no_stream_check  # DTensor dispatch under a recording mode
-def test_dtensor_parameters_are_refused_clearly(tmp_path):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group(
-        "gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/rendezvous"
-    )
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        param = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
-        param.grad = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
-        opt = OffloadAdamW([param])
-        with pytest.raises(RuntimeError, match="does not support DTensor parameters yet"):
-            opt.step()
-        assert not opt.state
-    finally:
-        dist.destroy_process_group()
-
-
 def test_cleared_state_is_recreated_with_the_keys_now_needed():
     """After optimizer.state is cleared, amsgrad may be switched on: state starts afresh."""
     opt, params = trained()

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_same, make_params, set_grads, step_together
+from conftest import assert_same, assert_state_offloaded, make_params, set_grads, step_together
 
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
@@ -70,10 +70,7 @@ def test_state_lives_in_few_large_host_buffers(dtype, amsgrad, bytes_per_element
     assert stats["host_bytes"] / stats["state_bytes"] <= 1.02
     assert len(opt._host.arenas) == 1
     assert len(opt._host.arenas[0].buffers) == bytes_per_element // 4
-    # Only the scalar step is in optimizer.state: Lightning copies every other tensor there
-    # to the accelerator at set-up and after each resume.
-    assert all(set(opt.state[p]) == {"step"} for p in params)
-    assert all(opt.state[p]["step"].device.type == "cpu" for p in params)
+    assert_state_offloaded(opt, params)
 
 
 def test_staging_buffers_are_bounded_by_chunk_size_not_model_size():

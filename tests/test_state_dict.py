@@ -8,7 +8,14 @@ import pickle
 
 import pytest
 import torch
-from conftest import assert_same, clone_params, make_params, set_grads, step_together
+from conftest import (
+    assert_same,
+    assert_state_offloaded,
+    clone_params,
+    make_params,
+    set_grads,
+    step_together,
+)
 
 from lightning_offload_optim import OffloadAdamW
 
@@ -53,7 +60,7 @@ def test_resume_matches_uninterrupted_run(mode, before, after, amsgrad):
         [reference.state_dict()["state"][i]["exp_avg_sq"] for i in range(len(params))],
     )
     if after == "offload":
-        assert all(set(second.state[p]) == {"step"} for p in params)
+        assert_state_offloaded(second, params)
 
 
 def test_state_dict_matches_torch_format():
@@ -72,7 +79,7 @@ def test_state_dict_matches_torch_format():
             assert ours["state"][index][key].shape == value.shape
             assert ours["state"][index][key].dtype == value.dtype
     # The state dict does not put the offloaded tensors into optimizer.state.
-    assert all(set(offload.state[p]) == {"step"} for p in offload.state)
+    assert_state_offloaded(offload, list(offload.state))
 
 
 def test_parameter_names_as_state_keys():
@@ -287,7 +294,8 @@ def test_copy_of_the_optimizer_matches_a_copy_of_torch_adamw():
 
 
 def test_load_frees_the_buffers_it_replaces():
-    """Cached chunk plans and slots must not keep a replaced state's host buffers alive."""
+    """A load that needs new buffers (here amsgrad adds a key) must not leave the old ones
+    alive through cached chunk plans or slots."""
     import gc
     import weakref
 
@@ -296,6 +304,9 @@ def test_load_frees_the_buffers_it_replaces():
     step_together([opt], [params], torch.Generator().manual_seed(15), 2)
     old = [weakref.ref(buffer) for a in opt._host.arenas for buffer in a.buffers.values()]
     checkpoint = save_and_load(opt.state_dict())
+    checkpoint["param_groups"][0]["amsgrad"] = True
+    for entry in checkpoint["state"].values():
+        entry["max_exp_avg_sq"] = entry["exp_avg_sq"].clone()
     gc.disable()  # freed by reference counting alone
     try:
         opt.load_state_dict(checkpoint)
@@ -304,6 +315,27 @@ def test_load_frees_the_buffers_it_replaces():
         gc.enable()
     step_together([opt], [params], torch.Generator().manual_seed(16), 1)
     assert opt.memory_stats()["host_bytes"] == opt.memory_stats()["state_bytes"]
+
+
+def test_load_with_the_same_layout_writes_into_the_current_buffers():
+    """No second copy of the state: the loaded values go into the buffers already held, and
+    training goes on exactly as from the checkpoint."""
+    params = make_params()
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    generator = torch.Generator().manual_seed(15)
+    step_together([opt], [params], generator, 2)
+    checkpoint = save_and_load(opt.state_dict())
+    reference_params = clone_params(params)
+    reference = torch.optim.AdamW(reference_params, fused=True)
+    reference.load_state_dict(save_and_load(checkpoint))
+    step_together([opt], [params], generator, 1)  # moves away from the checkpoint
+    buffers = [b.data_ptr() for a in opt._host.arenas for b in a.buffers.values()]
+    for p, r in zip(params, reference_params, strict=True):
+        r.data.copy_(p)
+    opt.load_state_dict(checkpoint)
+    assert [b.data_ptr() for a in opt._host.arenas for b in a.buffers.values()] == buffers
+    step_together([opt, reference], [params, reference_params], generator, 2)
+    assert_same(params, reference_params)
 
 
 def test_loaded_step_counts_are_not_shared_with_the_loaded_dict():

@@ -1,0 +1,122 @@
+"""DTensor parameters (FSDP2, tensor parallel): local shards in, DTensors out.
+
+Each rank keeps host state for its local shard of every parameter, and the step works on local
+tensors only, exactly as torch's fused AdamW does under the hood: the optimizer has one path for
+plain and sharded parameters, and this module is where the two meet.
+
+- :func:`local` is the tensor a rank updates: the local shard of a DTensor, else the tensor.
+- :func:`like_param` wraps a host view of local state as a DTensor with the parameter's mesh,
+  placements, global shape and stride, so ``torch.distributed.checkpoint`` writes each rank's
+  shard straight from host memory.
+- :func:`local_source` turns a loaded tensor (a DTensor of the same sharding, a replicated
+  DTensor, or a full tensor) into this rank's shard. It needs no collectives, so a load that one
+  rank refuses cannot leave the others waiting in one; other shardings are refused with an error
+  that says how to reshard (``torch.distributed.checkpoint`` does it while reading).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # a torch build without torch.distributed: no DTensors can exist
+    DTensor = Replicate = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(tensor: object) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local(tensor: Tensor) -> Tensor:
+    """The part of ``tensor`` this rank holds and updates: a DTensor's local shard (sharing its
+    memory), or ``tensor`` itself."""
+    if not is_dtensor(tensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+def describe_sharding(tensor: Tensor) -> str:
+    if not is_dtensor(tensor):
+        return "a plain tensor"
+    return f"a DTensor with placements {tensor.placements} on {tensor.device_mesh}"
+
+
+def check_same_sharding(param: Tensor, grad: Tensor, where: str) -> None:
+    """Refuse a gradient sharded differently from its parameter (the local shards would not
+    line up element for element)."""
+    if is_dtensor(param) == is_dtensor(grad) and (
+        not is_dtensor(param)
+        or (grad.placements == param.placements and grad.device_mesh == param.device_mesh)
+    ):
+        return
+    raise RuntimeError(
+        f"the gradient of {where} is {describe_sharding(grad)}, the parameter "
+        f"{describe_sharding(param)}; they must be sharded alike (reduce or redistribute the "
+        "gradient to the parameter's placements before step())"
+    )
+
+
+def _zero_offset_alias(view: Tensor) -> Tensor:
+    """The same memory as ``view`` in a tensor whose storage starts where it does.
+
+    torch 2.13 cannot deep-copy or ``torch.save`` a DTensor whose local tensor has a storage
+    offset ("invalid python storage"); a storage slice keeps the parent buffer alive.
+    """
+    offset = view.storage_offset()
+    if offset == 0 or view.numel() == 0:
+        return view if offset == 0 else view.new_empty(view.shape)
+    span = 1 + sum(
+        (size - 1) * stride for size, stride in zip(view.shape, view.stride(), strict=True)
+    )
+    itemsize = view.element_size()
+    storage = view.untyped_storage()[offset * itemsize : (offset + span) * itemsize]
+    return view.new_empty(0).set_(storage, 0, view.shape, view.stride())
+
+
+def like_param(param: Tensor, state: Tensor) -> Tensor:
+    """``state`` (host memory shaped like ``param``'s local shard) as ``param`` is: a DTensor
+    over the same mesh and placements, with the global shape and stride, viewing ``state``."""
+    if not is_dtensor(param):
+        return state
+    return DTensor.from_local(
+        _zero_offset_alias(state),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def _local_slice(full: Tensor, param: Tensor) -> Tensor:
+    """This rank's shard of ``full``, a tensor of ``param``'s global shape (a view)."""
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return full[tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))]
+
+
+def local_source(source: Tensor, param: Tensor, where: str) -> Tensor:
+    """The part of a loaded tensor (already checked to have ``param``'s global shape) that this
+    rank's state holds, as a plain tensor; raises naming the mismatch when there is none
+    without communicating."""
+    if not is_dtensor(source):
+        return _local_slice(source, param) if is_dtensor(param) else source
+    if is_dtensor(param):
+        same_mesh = source.device_mesh == param.device_mesh
+        if same_mesh and source.placements == param.placements:
+            return local(source)
+        if same_mesh and all(isinstance(p, Replicate) for p in source.placements):
+            return _local_slice(local(source), param)
+    elif source.device_mesh.size() == 1:
+        return local(source)
+    raise ValueError(
+        f"loaded state for {where} is {describe_sharding(source)} and the parameter is "
+        f"{describe_sharding(param)}. Load it resharded: torch.distributed.checkpoint.load into "
+        "the state dict of get_optimizer_state_dict(model, optimizer) reshards while reading, "
+        "or save and load a full state dict (StateDictOptions(full_state_dict=True))."
+    )
