@@ -1,0 +1,488 @@
+"""Run by test_sharded.py: OffloadAdamW on DTensor parameters, side by side with torch AdamW.
+
+Usage: python tests/sharded_worker.py WORLD_SIZE PHASE OUT_DIR. Starts WORLD_SIZE CPU processes
+over gloo; each runs every scenario of PHASE and saves ``{scenario: result}`` to
+OUT_DIR/PHASE-rank{r}.pt. A result holds ``ours`` and ``reference`` tensor lists (compared by
+the test) and whatever else the scenario records. A scenario that raises records the error and
+the others still run, so one failure does not hide the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import sys
+import traceback
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import lightning_offload_optim.host_state as host_state
+from lightning_offload_optim import OffloadAdamW
+
+STEPS = 3
+HYPER = {"lr": 0.01, "weight_decay": 0.1}
+
+
+# ------------------------------------------------------------------------------ models
+class Net(nn.Module):
+    """Uneven shards on 2 ranks: 37 rows split 19/18, 75 rows 38/37, and one row 1/0 (rank 1
+    holds empty shards of ``out``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 37)
+        self.norm = nn.LayerNorm(37)
+        self.hidden = nn.Linear(37, 75)
+        self.out = nn.Linear(75, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.norm(self.inp(x)))))
+
+
+def sharded_net(mesh, dtype=torch.float32, mp_policy=None) -> nn.Module:
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    kwargs = {"mesh": mesh} | ({"mp_policy": mp_policy} if mp_policy else {})
+    for layer in (model.inp, model.hidden, model.out):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def batch(step: int, dtype=torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(8, 6, generator=generator).to(dtype)
+
+
+def train_step(model: nn.Module, optimizer, step: int, clip: bool = True, dtype=torch.float32):
+    model(batch(step, dtype)).float().pow(2).mean().backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def full(tensors) -> list[torch.Tensor]:
+    return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
+
+
+class MasterAdamW:
+    """The reference for low-precision parameters: torch fused AdamW on fp32 copies (DTensors
+    sharded alike), gradients cast up, parameters rounded from the copies after each step."""
+
+    def __init__(self, params, **kwargs) -> None:
+        self.params = list(params)
+        self.masters = [p.detach().float().requires_grad_() for p in self.params]
+        self.inner = torch.optim.AdamW(self.masters, fused=True, **kwargs)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.grad = p.grad.float()
+        self.inner.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+# ------------------------------------------------------------------------------ step scenarios
+def fsdp_pair(mesh, make_ours, make_reference, dtype=torch.float32, mp_policy=None, clip=True):
+    result = {}
+    for name, make in (("ours", make_ours), ("reference", make_reference)):
+        model = sharded_net(mesh, dtype, mp_policy)
+        optimizer = make(model.parameters())
+        for step in range(STEPS):
+            train_step(model, optimizer, step, clip, dtype)
+        result[name] = full(model.parameters())
+    return result
+
+
+def fsdp_steps(mesh) -> dict:
+    result = fsdp_pair(
+        mesh,
+        lambda p: OffloadAdamW(p, **HYPER),
+        lambda p: torch.optim.AdamW(p, fused=True, **HYPER),
+    )
+    model = sharded_net(mesh)
+    optimizer = OffloadAdamW(model.parameters(), **HYPER)
+    train_step(model, optimizer, 0)
+    local = [p.to_local() for p in model.parameters()]
+    result["local_numel"] = [p.numel() for p in local]
+    result["state_bytes"] = optimizer.memory_stats()["state_bytes"]
+    return result
+
+
+def fsdp_amsgrad(mesh) -> dict:
+    return fsdp_pair(
+        mesh,
+        lambda p: OffloadAdamW(p, amsgrad=True, **HYPER),
+        lambda p: torch.optim.AdamW(p, amsgrad=True, fused=True, **HYPER),
+    )
+
+
+def fsdp_staged_small_chunks(mesh) -> dict:
+    return fsdp_pair(
+        mesh,
+        lambda p: OffloadAdamW(p, force_staging=True, chunk_size=64, **HYPER),
+        lambda p: torch.optim.AdamW(p, fused=True, **HYPER),
+    )
+
+
+def fsdp_bf16_params(mesh) -> dict:
+    return fsdp_pair(
+        mesh,
+        lambda p: OffloadAdamW(p, force_staging=True, chunk_size=128, **HYPER),
+        lambda p: MasterAdamW(p, **HYPER),
+        dtype=torch.bfloat16,
+    )
+
+
+def fsdp_mixed_precision_policy(mesh) -> dict:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return fsdp_pair(
+        mesh,
+        lambda p: OffloadAdamW(p, **HYPER),
+        lambda p: torch.optim.AdamW(p, fused=True, **HYPER),
+        mp_policy=policy,
+    )
+
+
+def tensor_parallel_placements(mesh) -> dict:
+    """Shard(1), Replicate(), uneven Shard(0) and an empty Shard(0) local shard."""
+    layouts = [((5, 9), Shard(1)), ((4, 3), Replicate()), ((3, 4), Shard(0)), ((1, 4), Shard(0))]
+    generator = torch.Generator().manual_seed(5)
+    full_params = [torch.randn(shape, generator=generator) for shape, _ in layouts]
+    result = {}
+    for name, make in (
+        ("ours", lambda p: OffloadAdamW(p, force_staging=True, chunk_size=64, **HYPER)),
+        ("reference", lambda p: torch.optim.AdamW(p, fused=True, **HYPER)),
+    ):
+        params = [
+            nn.Parameter(distribute_tensor(f.clone(), mesh, [placement]))
+            for f, (_, placement) in zip(full_params, layouts, strict=True)
+        ]
+        optimizer = make(params)
+        grads = torch.Generator().manual_seed(6)
+        for _ in range(STEPS):
+            for p, (shape, placement) in zip(params, layouts, strict=True):
+                p.grad = distribute_tensor(torch.randn(shape, generator=grads), mesh, [placement])
+            optimizer.step()
+        result[name] = full(params)
+        if name == "ours":
+            state = optimizer.state_dict()["state"]
+            result["placements"] = [
+                [str(state[i][key].placements) for key in ("exp_avg", "exp_avg_sq")]
+                for i in range(len(params))
+            ]
+    result["param_placements"] = [str((placement,)) for _, placement in layouts]
+    return result
+
+
+def refusals(mesh) -> dict:
+    """Wrong inputs are refused on every rank alike, and no rank is left in a collective."""
+    param = nn.Parameter(distribute_tensor(torch.ones(6, 4), mesh, [Shard(0)]))
+    optimizer = OffloadAdamW([param], **HYPER)
+    param.grad = distribute_tensor(torch.ones(6, 4), mesh, [Replicate()])
+    messages = {}
+    try:
+        optimizer.step()
+    except RuntimeError as error:
+        messages["gradient"] = str(error)
+    param.grad = distribute_tensor(torch.ones(6, 4), mesh, [Shard(0)])
+    optimizer.step()
+    saved = optimizer.state_dict()
+    before = optimizer.offloaded_state(param)["exp_avg"].full_tensor()
+    entry = saved["state"][0]
+    entry["exp_avg"] = entry["exp_avg"].redistribute(mesh, [Shard(1)])
+    try:
+        optimizer.load_state_dict(saved)
+    except ValueError as error:
+        messages["load"] = str(error)
+    dist.barrier()  # every rank got here: none waits in a collective
+    after = optimizer.offloaded_state(param)["exp_avg"].full_tensor()
+    return {"messages": messages, "ours": [after], "reference": [before]}
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def trained(mesh, make, steps=STEPS):
+    model = sharded_net(mesh)
+    optimizer = make(model.parameters())
+    for step in range(steps):
+        train_step(model, optimizer, step)
+    return model, optimizer
+
+
+def ours(params):
+    return OffloadAdamW(params, **HYPER)
+
+
+def torchs(params):
+    return torch.optim.AdamW(params, fused=True, **HYPER)
+
+
+def uninterrupted(mesh) -> list[torch.Tensor]:
+    model, _ = trained(mesh, torchs, steps=STEPS + 2)
+    return full(model.parameters())
+
+
+def resume_and_finish(model, optimizer) -> list[torch.Tensor]:
+    for step in range(STEPS, STEPS + 2):
+        train_step(model, optimizer, step)
+    return full(model.parameters())
+
+
+def round_trip(mesh, save: Callable, load: Callable, make_saver=ours, make_loader=ours) -> dict:
+    """Train STEPS with ``make_saver``, pass the state through ``save`` and ``load`` into a fresh
+    model and optimizer built by ``make_loader``, train 2 more steps; the reference trains
+    STEPS + 2 uninterrupted with torch AdamW."""
+    model, optimizer = trained(mesh, make_saver)
+    carried = save(model, optimizer)
+    fresh = sharded_net(mesh)
+    fresh_optimizer = make_loader(fresh.parameters())
+    load(fresh, fresh_optimizer, carried)
+    return {"ours": resume_and_finish(fresh, fresh_optimizer), "reference": uninterrupted(mesh)}
+
+
+def sharded_state_dict(mesh) -> dict:
+    """get/set_optimizer_state_dict in memory; the state dict views the host buffers."""
+    model, optimizer = trained(mesh, ours)
+    state = get_optimizer_state_dict(model, optimizer)["state"]
+    host = optimizer._host
+    views = [v for entry in state.values() for k, v in entry.items() if k != "step"]
+    result = round_trip(
+        mesh,
+        lambda m, o: get_optimizer_state_dict(m, o) | {"model": get_model_state_dict(m)},
+        lambda m, o, sd: (
+            set_model_state_dict(m, sd.pop("model")),
+            set_optimizer_state_dict(m, o, sd),
+        ),
+    )
+    result["all_dtensors"] = all(isinstance(v, DTensor) for v in views)
+    result["zero_copy"] = all(host.overlaps(v.to_local()) for v in views if v.to_local().numel())
+    result["shapes_match"] = all(
+        v.shape == p.shape and v.placements == p.placements and v.stride() == p.stride()
+        for (fqn, entry), p in zip(state.items(), model.parameters(), strict=True)
+        for k, v in entry.items()
+        if k != "step"
+    )
+    return result
+
+
+def dcp_save(directory: Path, options=None) -> Callable:
+    def save(model, optimizer):
+        dcp.save(
+            {
+                "model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, optimizer, options=options),
+            },
+            checkpoint_id=directory,
+        )
+
+    return save
+
+
+def dcp_load(directory: Path, options=None, tracker=None) -> Callable:
+    def load(model, optimizer, _):
+        if tracker:
+            tracker.start()
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer, options=options),
+        }
+        dcp.load(state, checkpoint_id=directory)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
+        if tracker:
+            tracker.stop()
+
+    return load
+
+
+class HostBytes:
+    """Live and peak bytes of host state buffers, counted at the allocation seam."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+        self.real = host_state.host_empty
+
+    def start(self) -> None:
+        self.live = self.peak = 0
+
+        def counted(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            tensor = self.real(numel, dtype)
+            nbytes = tensor.untyped_storage().nbytes()
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(tensor.untyped_storage(), self.freed, nbytes)
+            return tensor
+
+        host_state.host_empty = counted
+
+    def freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def stop(self) -> None:
+        host_state.host_empty = self.real
+
+
+def distributed_checkpoint(mesh, out: Path) -> dict:
+    """dcp.save / dcp.load of a sharded state, loaded in place: peak host bytes of the resume.
+    Also leaves checkpoints of ours and of torch AdamW for a run with another world size."""
+    tracker = HostBytes()
+    directory = out / f"dcp-{mesh.size()}"
+    result = round_trip(mesh, dcp_save(directory), dcp_load(directory, tracker=tracker))
+    model, optimizer = trained(mesh, ours)
+    dcp_save(directory)(model, optimizer)
+    result["peak_host_bytes"] = tracker.peak
+    result["state_bytes"] = optimizer.memory_stats()["state_bytes"]
+    dcp_save(out / f"dcp-torch-{mesh.size()}")(*trained(mesh, torchs))
+    return result
+
+
+def flattened_checkpoint(mesh, out: Path) -> dict:
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    directory = out / f"flat-{mesh.size()}"
+    return round_trip(mesh, dcp_save(directory, options), dcp_load(directory, options))
+
+
+def full_state_dict(mesh) -> dict:
+    options = StateDictOptions(full_state_dict=True)
+    return round_trip(
+        mesh,
+        lambda m, o: (
+            get_optimizer_state_dict(m, o, options=options) | {"model": get_model_state_dict(m)}
+        ),
+        lambda m, o, sd: (
+            set_model_state_dict(m, sd.pop("model")),
+            set_optimizer_state_dict(m, o, sd, options=options),
+        ),
+    )
+
+
+def full_state_dict_broadcast(mesh) -> dict:
+    save_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    load_options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+    def save(model, optimizer):
+        return (
+            get_model_state_dict(model),
+            get_optimizer_state_dict(model, optimizer, options=save_options),
+        )
+
+    def load(model, optimizer, carried):
+        set_model_state_dict(model, carried[0])
+        set_optimizer_state_dict(model, optimizer, carried[1], options=load_options)
+
+    return round_trip(mesh, save, load)
+
+
+def in_memory(copier: Callable, make_saver=ours, make_loader=ours) -> Callable:
+    def run(mesh) -> dict:
+        return round_trip(
+            mesh,
+            lambda m, o: copier(
+                {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, o)}
+            ),
+            lambda m, o, sd: (
+                set_model_state_dict(m, sd["model"]),
+                set_optimizer_state_dict(m, o, sd["optim"]),
+            ),
+            make_saver,
+            make_loader,
+        )
+
+    return run
+
+
+def saved_and_loaded(state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def resumed_from(out: Path, world_size: int) -> Callable:
+    """Load checkpoints written by ``world_size`` ranks, ours into ours and torch's into torch
+    AdamW, and finish training both."""
+
+    def run(mesh) -> dict:
+        result = {}
+        for name, make, directory in (
+            ("ours", ours, out / f"dcp-{world_size}"),
+            ("reference", torchs, out / f"dcp-torch-{world_size}"),
+        ):
+            fresh = sharded_net(mesh)
+            optimizer = make(fresh.parameters())
+            dcp_load(directory)(fresh, optimizer, None)
+            result[name] = resume_and_finish(fresh, optimizer)
+        return result
+
+    return run
+
+
+def scenarios(phase: str, out: Path) -> dict[str, Callable]:
+    if phase == "save":  # 1 rank: a checkpoint for the 2-rank run
+        return {"save_for_2": lambda mesh: distributed_checkpoint(mesh, out)}
+    if phase == "load2":  # 1 rank: the checkpoint written by 2 ranks
+        return {"load_from_2": resumed_from(out, 2)}
+    return {
+        "fsdp_steps": fsdp_steps,
+        "fsdp_amsgrad": fsdp_amsgrad,
+        "fsdp_staged_small_chunks": fsdp_staged_small_chunks,
+        "fsdp_bf16_params": fsdp_bf16_params,
+        "fsdp_mixed_precision_policy": fsdp_mixed_precision_policy,
+        "tensor_parallel_placements": tensor_parallel_placements,
+        "refusals": refusals,
+        "sharded_state_dict": sharded_state_dict,
+        "distributed_checkpoint": lambda mesh: distributed_checkpoint(mesh, out),
+        "flattened_checkpoint": lambda mesh: flattened_checkpoint(mesh, out),
+        "full_state_dict": full_state_dict,
+        "full_state_dict_broadcast": full_state_dict_broadcast,
+        "deepcopy": in_memory(copy.deepcopy),
+        "torch_save": in_memory(saved_and_loaded),
+        "torch_to_ours": in_memory(lambda sd: sd, make_saver=torchs),
+        "ours_to_torch": in_memory(lambda sd: sd, make_loader=torchs),
+        "load_from_1": resumed_from(out, 1),
+    }
+
+
+def worker(rank: int, world_size: int, phase: str, out: Path) -> None:
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, init_method=f"file://{out}/rendezvous-{phase}"
+    )
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = {}
+    for name, scenario in scenarios(phase, out).items():
+        try:
+            results[name] = scenario(mesh)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    torch.save(results, out / f"{phase}-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world, phase_name, out_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.multiprocessing.spawn(worker, (world, phase_name, out_dir), nprocs=world)

@@ -1,0 +1,117 @@
+"""DTensor parameters (FSDP2, tensor parallel) on 2 CPU processes over gloo, against torch AdamW.
+
+One launch per world size runs every scenario of tests/sharded_worker.py (starting processes
+costs more than the scenarios); each test here checks one scenario's result on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_same
+
+HERE = Path(__file__).resolve().parent
+TWO_RANK_SCENARIOS = [
+    "fsdp_steps",
+    "fsdp_amsgrad",
+    "fsdp_staged_small_chunks",
+    "fsdp_bf16_params",
+    "fsdp_mixed_precision_policy",
+    "tensor_parallel_placements",
+    "refusals",
+    "sharded_state_dict",
+    "distributed_checkpoint",
+    "flattened_checkpoint",
+    "full_state_dict",
+    "full_state_dict_broadcast",
+    "deepcopy",
+    "torch_save",
+    "torch_to_ours",
+    "ours_to_torch",
+    "load_from_1",
+]
+
+
+def launch(world_size: int, phase: str, out: Path) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
+    done = subprocess.run(
+        [sys.executable, str(HERE / "sharded_worker.py"), str(world_size), phase, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    return [torch.load(out / f"{phase}-rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Save on 1 rank, run everything on 2 (loading the 1-rank checkpoint), load on 1."""
+    out = tmp_path_factory.mktemp("sharded")
+    save = launch(1, "save", out)
+    two = launch(2, "all", out)
+    load = launch(1, "load2", out)
+    return {"save": save, "all": two, "load2": load}
+
+
+def results(runs, phase: str, scenario: str) -> list[dict]:
+    found = [rank[scenario] for rank in runs[phase]]
+    for rank, result in enumerate(found):
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+    return found
+
+
+@pytest.mark.parametrize("scenario", TWO_RANK_SCENARIOS)
+def test_two_ranks_bit_identical_to_torch_adamw(runs, scenario):
+    for result in results(runs, "all", scenario):
+        assert_same(result["ours"], result["reference"])
+
+
+@pytest.mark.parametrize(("phase", "scenario"), [("save", "save_for_2"), ("load2", "load_from_2")])
+def test_one_rank_bit_identical_to_torch_adamw(runs, phase, scenario):
+    (result,) = results(runs, phase, scenario)
+    assert_same(result["ours"], result["reference"])
+
+
+def test_each_rank_holds_the_state_of_its_shards_only(runs):
+    ranks = results(runs, "all", "fsdp_steps")
+    # 37 rows split 19/18, 75 rows 38/37, 1 row 1/0 (rank 1's shards of `out` are empty).
+    assert ranks[0]["local_numel"] == [19 * 6, 19, 19, 19, 38 * 37, 38, 75, 1]
+    assert ranks[1]["local_numel"] == [18 * 6, 18, 18, 18, 37 * 37, 37, 0, 0]
+    for result in ranks:
+        assert result["state_bytes"] == 8 * sum(result["local_numel"])
+
+
+def test_state_keeps_the_parameters_placements(runs):
+    for result in results(runs, "all", "tensor_parallel_placements"):
+        assert result["placements"] == [[p, p] for p in result["param_placements"]]
+
+
+def test_sharded_state_dict_is_dtensors_viewing_the_host_buffers(runs):
+    for result in results(runs, "all", "sharded_state_dict"):
+        assert result["all_dtensors"] and result["zero_copy"] and result["shapes_match"]
+
+
+def test_sharded_resume_holds_the_state_once(runs):
+    """Fresh optimizer, fake step, dcp.load into its state dict, set_optimizer_state_dict."""
+    for phase, scenario in (("all", "distributed_checkpoint"), ("save", "save_for_2")):
+        for result in results(runs, phase, scenario):
+            assert result["peak_host_bytes"] == result["state_bytes"] > 0
+
+
+def test_wrong_shardings_are_refused_on_every_rank(runs):
+    for result in results(runs, "all", "refusals"):
+        messages = result["messages"]
+        assert "sharded alike" in messages["gradient"]
+        assert "Placements" not in messages["gradient"] and "Shard(dim=0)" in messages["gradient"]
+        assert (
+            "Shard(dim=1)" in messages["load"]
+            and "torch.distributed.checkpoint" in messages["load"]
+        )
+        assert_same(result["ours"], result["reference"])  # the refused load changed nothing
