@@ -26,6 +26,7 @@ NAMES = {
     "offload/step_ms_max",
     "offload/memory_saved_bytes",
     "offload/host_bytes",
+    "offload/host_bytes_all_ranks",
     "offload/host_pinned",
     "offload/total_moved_bytes",
 }
@@ -48,6 +49,7 @@ def test_metrics_reach_the_logger_at_its_cadence(tmp_path):
     for row in rows:
         assert float(row["offload/memory_saved_bytes"]) == state_bytes
         assert float(row["offload/host_bytes"]) == state_bytes
+        assert float(row["offload/host_bytes_all_ranks"]) == state_bytes  # one rank
         assert float(row["offload/host_pinned"]) == 0.0
         assert float(row["offload/h2d_ms"]) > 0 and float(row["offload/h2d_gbps"]) > 0
         assert float(row["offload/step_ms_max"]) >= float(row["offload/step_ms"]) > 0

@@ -31,9 +31,9 @@ class OffloadMonitor(Callback):
     CUDA events read only when a value is logged (no synchronisation on other steps), or from the
     wall clock on the CPU. Units: ms, bytes, and GB = 1e9 bytes. Every figure describes one rank:
     times and bandwidths are means over the steps of all ranks, ``step_ms_max`` is the slowest
-    step of any rank, the rest are this rank's own (under DDP every rank holds the same state, so
-    the host holds ``world_size`` times ``host_bytes``). Metrics, under ``prefix`` (default
-    ``offload/``):
+    step of any rank, ``host_bytes_all_ranks`` sums all ranks (under DDP every rank holds the
+    whole state; under FSDP2 / ModelParallel each holds its shards'), the rest are this rank's
+    own. Metrics, under ``prefix`` (default ``offload/``):
 
     ============================  ======  ==========================================================
     name                          unit    meaning
@@ -42,7 +42,8 @@ class OffloadMonitor(Callback):
     ``h2d_gbps`` / ``d2h_gbps``   GB/s    achieved copy bandwidth (bytes / copy time)
     ``step_ms`` / ``step_ms_max``  ms     optimizer step time, mean / max since the last log
     ``memory_saved_bytes``        bytes   optimizer state held on the host instead of the device
-    ``host_bytes``                bytes   host memory the state buffers occupy
+    ``host_bytes``                bytes   host memory the state buffers occupy (this rank)
+    ``host_bytes_all_ranks``      bytes   the same summed over all ranks (per node when one node)
     ``host_pinned``               0/1     whether those buffers are page-locked (0 after a fallback)
     ``staging_bytes``             bytes   the optimizer's staging buffers and gradient scratch
     ``peak_device_bytes``         bytes   ``torch.cuda.max_memory_allocated`` (CUDA only)
@@ -158,17 +159,20 @@ class OffloadMonitor(Callback):
         ``interval_steps`` 0.
         """
         self._interval.update(torch.zeros(len(COUNTERS), dtype=torch.float64))  # may be stepless
+        memory = [opt.memory_stats() for opt in self._optimizers]
+        host_bytes = float(sum(m["host_bytes"] for m in memory))
+        self._interval.host_bytes.fill_(host_bytes)
         self._interval.to(pl_module.device)
-        totals, slowest = self._interval.compute()
+        totals, slowest, host_bytes_all_ranks = self._interval.compute()
         sums = dict(zip(COUNTERS, totals.tolist(), strict=True))
         world_size = max(1, pl_module.trainer.world_size)
         self._interval.reset()
         self._interval.to("cpu")
-        memory = [opt.memory_stats() for opt in self._optimizers]
         p = self.prefix
         logged = {
             f"{p}memory_saved_bytes": float(sum(m["state_bytes"] for m in memory)),
-            f"{p}host_bytes": float(sum(m["host_bytes"] for m in memory)),
+            f"{p}host_bytes": host_bytes,
+            f"{p}host_bytes_all_ranks": float(host_bytes_all_ranks),
             f"{p}host_pinned": float(all(m["pinned"] for m in memory)),
             f"{p}staging_bytes": float(sum(m["staging_bytes"] for m in memory)),
             f"{p}total_moved_bytes": self.totals["bytes_in"] + self.totals["bytes_out"],
@@ -229,7 +233,8 @@ class OffloadMonitor(Callback):
 
 
 class IntervalTotals(Metric):
-    """Sums of :data:`COUNTERS` and the slowest step time since the last log, across ranks."""
+    """Sums of :data:`COUNTERS` and the slowest step time since the last log, and the host
+    bytes held now, across ranks."""
 
     full_state_update = False
 
@@ -237,17 +242,17 @@ class IntervalTotals(Metric):
         super().__init__()
         zeros = torch.zeros(len(COUNTERS), dtype=torch.float64)
         self.add_state("sums", default=zeros, dist_reduce_fx="sum")
-        self.add_state(
-            "slowest", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="max"
-        )
+        scalar = torch.zeros((), dtype=torch.float64)
+        self.add_state("slowest", default=scalar, dist_reduce_fx="max")
+        self.add_state("host_bytes", default=scalar.clone(), dist_reduce_fx="sum")
 
     def update(self, values: torch.Tensor) -> None:
         """Add one step's figures, ordered as :data:`COUNTERS`."""
         self.sums += values
         self.slowest = torch.maximum(self.slowest, values[COUNTERS.index("step_seconds")])
 
-    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.sums, self.slowest
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.sums, self.slowest, self.host_bytes
 
 
 def _per_step(sums: dict[str, float]) -> dict[str, float]:

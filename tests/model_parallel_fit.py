@@ -1,0 +1,98 @@
+"""Run by test_model_parallel.py: Lightning's ModelParallelStrategy (FSDP2) on 2 CPU processes,
+with OffloadAdamW through the mixin and with torch AdamW, each saving and resuming.
+
+Usage: python tests/model_parallel_fit.py OUTPUT_DIR. Lightning starts rank 1 by running this
+script again. Each rank writes, per optimizer and checkpoint kind (sharded folder or one file),
+the full parameters after a fit and after a resume from its mid-run checkpoint, and what the
+monitor logged.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning_models import TinyModel, trainer
+from torch.distributed.fsdp import fully_shard
+
+from lightning_offload_optim import OffloadMonitor
+
+STEPS = 4
+
+
+class ShardedModel(TinyModel):
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.net[0], self.net[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+def strategy(distributed: bool) -> ModelParallelStrategy:
+    return ModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
+    )
+
+
+def full(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def run(out: Path, optimizer: str, distributed: bool, common: dict[str, Any]) -> dict:
+    name = f"{optimizer}-{'sharded' if distributed else 'file'}"
+    monitor = OffloadMonitor(summary=False)
+    saver = ModelCheckpoint(out / f"ckpt-{name}", "{step}", every_n_train_steps=2, save_top_k=-1)
+    fit = trainer(
+        out / name,
+        strategy=strategy(distributed),
+        devices=2,
+        max_steps=STEPS,
+        callbacks=[monitor, saver],
+        enable_checkpointing=True,
+        use_distributed_sampler=True,
+        log_every_n_steps=2,
+        **common,
+    )
+    # The single-file runs stage through separate buffers in small chunks, as on a GPU.
+    hparams = {"warmup_steps": 1, "lr_schedule": "cosine", "force_staging": not distributed}
+    model = ShardedModel(optimizer=optimizer, **hparams)
+    initial = [p.detach().clone() for p in model.parameters()]
+    fit.fit(model)
+    resumed = ShardedModel(optimizer=optimizer, **hparams)
+    again = trainer(
+        out / f"{name}-resumed",
+        strategy=strategy(distributed),
+        devices=2,
+        max_steps=STEPS,
+        **common,
+    )
+    again.fit(resumed, ckpt_path=out / f"ckpt-{name}" / "step=2.ckpt")
+    logged = {k: float(v) for k, v in fit.logged_metrics.items() if k.startswith("offload/")}
+    optim = resumed.trainer.optimizers[0]
+    return {
+        "initial": initial,
+        "params": full(model),
+        "resumed": full(resumed),
+        "logged": logged,
+        "state_bytes": optim.memory_stats()["state_bytes"] if optimizer == "offload" else 0,
+        "rank": fit.global_rank,
+    }
+
+
+def main(out: Path) -> None:
+    common = {"precision": "bf16-mixed", "gradient_clip_val": 0.05}
+    results = {
+        (optimizer, distributed): run(out, optimizer, distributed, common)
+        for optimizer in ("offload", "torch")
+        for distributed in (True, False)
+    }
+    rank = results["offload", True]["rank"]
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
