@@ -414,6 +414,24 @@ def in_memory(copier: Callable, make_saver=ours, make_loader=ours) -> Callable:
     return run
 
 
+def loaded_as(convert: Callable) -> Callable:
+    """``optimizer.load_state_dict`` of our own state dict with every DTensor converted."""
+
+    def save(model, optimizer) -> dict:
+        saved = optimizer.state_dict()
+        saved["state"] = {
+            index: {k: convert(v) if isinstance(v, DTensor) else v for k, v in entry.items()}
+            for index, entry in saved["state"].items()
+        }
+        return saved | {"model": get_model_state_dict(model)}
+
+    def load(model, optimizer, saved) -> None:
+        set_model_state_dict(model, saved.pop("model"))
+        optimizer.load_state_dict(saved)
+
+    return lambda mesh: round_trip(mesh, save, load)
+
+
 def saved_and_loaded(state: dict) -> dict:
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -463,6 +481,10 @@ def scenarios(phase: str, out: Path) -> dict[str, Callable]:
         "torch_to_ours": in_memory(lambda sd: sd, make_saver=torchs),
         "ours_to_torch": in_memory(lambda sd: sd, make_loader=torchs),
         "load_from_1": resumed_from(out, 1),
+        "plain_full_tensors": loaded_as(lambda t: t.full_tensor()),
+        "replicated_dtensors": loaded_as(
+            lambda t: t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
+        ),
     }
 
 

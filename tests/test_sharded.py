@@ -34,6 +34,8 @@ TWO_RANK_SCENARIOS = [
     "torch_to_ours",
     "ours_to_torch",
     "load_from_1",
+    "plain_full_tensors",
+    "replicated_dtensors",
 ]
 
 
