@@ -114,6 +114,8 @@ def fsdp_pair(mesh, make_ours, make_reference, dtype=torch.float32, mp_policy=No
         for step in range(STEPS):
             train_step(model, optimizer, step, clip, dtype)
         result[name] = full(model.parameters())
+        if name == "ours":
+            result["memory"] = optimizer.memory_stats()
     return result
 
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 from conftest import assert_same
 
+from lightning_offload_optim import plan
+
 HERE = Path(__file__).resolve().parent
 TWO_RANK_SCENARIOS = [
     "fsdp_steps",
@@ -117,3 +119,26 @@ def test_wrong_shardings_are_refused_on_every_rank(runs):
             and "torch.distributed.checkpoint" in messages["load"]
         )
         assert_same(result["ours"], result["reference"])  # the refused load changed nothing
+
+
+@pytest.mark.parametrize(
+    ("scenario", "options"),
+    [
+        ("fsdp_steps", {}),
+        ("fsdp_staged_small_chunks", {"chunk_size": 64}),
+        ("fsdp_bf16_params", {"chunk_size": 128, "precision": "bf16-true"}),
+    ],
+)
+def test_planner_predicts_each_ranks_memory(runs, scenario, options):
+    """The planner's figures for an FSDP2 run on 2 ranks, against what each rank reports
+    (staged like a GPU run, pageable as on this CPU)."""
+    from sharded_worker import Net
+
+    planned = plan(Net(), strategy="fsdp2", gpus=2, pin_memory=False, **options)
+    for rank, result in enumerate(results(runs, "all", scenario)):
+        reported = result["memory"]
+        expected = planned.memory_stats(rank)
+        for key in ("state_bytes", "host_bytes"):
+            assert reported[key] == expected[key], key
+        if scenario != "fsdp_steps":  # staged; the plain CPU path stages nothing
+            assert reported["staging_bytes"] == expected["staging_bytes"]

@@ -1,0 +1,277 @@
+"""The memory planner against what OffloadAdamW reports, and against hand-computed figures."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_offload_optim
+from lightning_offload_optim import MemoryPlan, OffloadAdamW
+from lightning_offload_optim.host_state import registered_empty
+from lightning_offload_optim.plan import GB, main, plan
+
+MACHINE = {"gpu_memory": 80 * GB, "host_memory": 1000 * GB}
+
+#: Llama-2 sizes: (hidden, intermediate, layers, attention heads, key-value heads), parameters.
+LLAMA_2 = {
+    "7b": ((4096, 11008, 32, 32, 32), 6_738_415_616),
+    "13b": ((5120, 13824, 40, 40, 40), 13_015_864_320),
+    "70b": ((8192, 28672, 80, 64, 8), 68_976_648_192),
+}
+
+
+def llama_config(size: str) -> dict:
+    (hidden, intermediate, layers, heads, kv_heads), _ = LLAMA_2[size]
+    return {
+        "vocab_size": 32000,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "tie_word_embeddings": False,
+    }
+
+
+TINY = {
+    "vocab_size": 101,
+    "hidden_size": 64,
+    "intermediate_size": 172,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
+
+
+class TinyLlama(nn.Module):
+    """Hugging Face's Llama layout, written out by hand."""
+
+    def __init__(self, c: dict) -> None:
+        super().__init__()
+        hidden, head_dim = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
+        kv = c["num_key_value_heads"] * head_dim
+        self.embed_tokens = nn.Embedding(c["vocab_size"], hidden)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "q_proj": nn.Linear(hidden, hidden, bias=False),
+                    "k_proj": nn.Linear(hidden, kv, bias=False),
+                    "v_proj": nn.Linear(hidden, kv, bias=False),
+                    "o_proj": nn.Linear(hidden, hidden, bias=False),
+                    "gate_proj": nn.Linear(hidden, c["intermediate_size"], bias=False),
+                    "up_proj": nn.Linear(hidden, c["intermediate_size"], bias=False),
+                    "down_proj": nn.Linear(c["intermediate_size"], hidden, bias=False),
+                    "input_layernorm": nn.RMSNorm(hidden),
+                    "post_attention_layernorm": nn.RMSNorm(hidden),
+                }
+            )
+            for _ in range(c["num_hidden_layers"])
+        )
+        self.norm = nn.RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, c["vocab_size"], bias=False)
+        if c["tie_word_embeddings"]:
+            self.lm_head.weight = self.embed_tokens.weight
+
+
+def mixed_model() -> nn.Module:
+    """Odd shapes (rows not multiples of anything), fp32 and bf16 parameters, one frozen."""
+    model = nn.Sequential(
+        nn.Linear(13, 37), nn.Linear(37, 300), nn.LayerNorm(300), nn.Linear(300, 7, bias=False)
+    )
+    model[1].to(torch.bfloat16)
+    model[3].to(torch.bfloat16)
+    model[2].bias.requires_grad_(False)
+    return model
+
+
+def stepped(model: nn.Module, **options) -> OffloadAdamW:
+    """OffloadAdamW after one real step over every trainable parameter, staged as on a GPU."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = OffloadAdamW(params, pin_memory=False, force_staging=True, **options)
+    opt.step()
+    return opt
+
+
+# ------------------------------------------------------------------ against the optimizer
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.parametrize("chunk_size", [128, 1000, 1 << 22])
+@pytest.mark.parametrize(
+    "dtype", [None, torch.float32, torch.bfloat16], ids=["mixed", "fp32", "bf16"]
+)
+def test_memory_stats_match_a_real_step(amsgrad, chunk_size, dtype):
+    model = mixed_model() if dtype is None else mixed_model().to(dtype)
+    expected = plan(model, amsgrad=amsgrad, chunk_size=chunk_size, pin_memory=False, **MACHINE)
+    assert (
+        expected.memory_stats()
+        == stepped(model, amsgrad=amsgrad, chunk_size=chunk_size).memory_stats()
+    )
+
+
+def test_memory_stats_match_with_complex_and_double_parameters():
+    """Complex parameters get arenas of their own (real views, twice the elements); fp64 ones
+    keep fp64 state."""
+    model = nn.Module()
+    model.a = nn.Parameter(torch.randn(37, 5, dtype=torch.complex64))
+    model.b = nn.Parameter(torch.randn(100))
+    model.c = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    expected = plan(model, chunk_size=64, pin_memory=False, **MACHINE)
+    assert expected.memory_stats() == stepped(model, chunk_size=64).memory_stats()
+
+
+def test_precision_recasts_a_module_like_lightning():
+    """bf16-true plans the module as if cast to bf16; the real cast agrees."""
+    model = mixed_model().float()
+    planned = plan(model, precision="bf16-true", pin_memory=False, **MACHINE)
+    assert planned.memory_stats() == stepped(model.to(torch.bfloat16)).memory_stats()
+    per_element = 12  # fp32 exp_avg, exp_avg_sq and master copy
+    assert planned.state_bytes == per_element * planned.trainable
+
+
+def test_pinned_host_bytes_are_page_rounded_buffers():
+    model = nn.Linear(1000, 333)  # one fp32 arena, two keys
+    numel = sum(p.numel() for p in model.parameters())
+    buffer, _ = registered_empty(numel, torch.float32, register=lambda pointer, nbytes: 0)
+    planned = plan(model, **MACHINE)
+    assert planned.memory_stats()["host_bytes"] == 2 * buffer.untyped_storage().nbytes()
+    assert planned.memory_stats()["pinned"] is True
+    assert planned.state_bytes == 8 * numel
+
+
+# ------------------------------------------------------------------ models and configs
+@pytest.mark.parametrize("size", list(LLAMA_2))
+def test_llama_2_parameter_counts(size, tmp_path):
+    count = LLAMA_2[size][1]
+    config = llama_config(size)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    sources = [config, SimpleNamespace(**config), tmp_path / "config.json", str(tmp_path), size]
+    for source in sources:
+        assert plan(source, **MACHINE).parameters == count
+
+
+def test_meta_module_matches_its_config():
+    for tied in (False, True):
+        config = {**TINY, "tie_word_embeddings": tied}
+        with torch.device("meta"):
+            module = TinyLlama(config)
+        hidden, inter, layers = 64, 172, 3
+        layer = 2 * hidden * hidden + 2 * hidden * 32 + 3 * hidden * inter + 2 * hidden
+        expected = (1 if tied else 2) * 101 * hidden + layers * layer + hidden
+        options = {"precision": "bf16-true", "gpus": 3, "strategy": "fsdp2", **MACHINE}
+        from_module, from_config = plan(module, **options), plan(config, **options)
+        assert from_module.parameters == from_config.parameters == expected
+        assert from_module.unit_parameters == from_config.unit_parameters == layer
+        assert from_module.offload == from_config.offload
+        assert from_module.adamw == from_config.adamw
+
+
+# ------------------------------------------------------------------ strategies
+def test_ddp_and_fsdp2_by_hand():
+    mb = 10**6
+    common = {"precision": "bf16-true", "gpus": 4, "nodes": 2, "pin_memory": False, **MACHINE}
+    fsdp = plan(8 * mb, strategy="fsdp2", unit_params=mb, **common)
+    # 1e6 bf16 elements per rank; 4 fp32 staging keys (moments, master, grad) of 1e6, twice.
+    assert fsdp.offload.gpu.params == fsdp.offload.gpu.grads == 2 * mb
+    assert fsdp.offload.gpu.unsharded == 2 * mb
+    assert fsdp.state_bytes == fsdp.offload.gpu.host_state == 12 * mb
+    assert fsdp.offload.gpu.staging == 2 * 4 * 4 * mb
+    assert fsdp.offload.gpu.device == 6 * mb + 32 * mb
+    assert fsdp.offload.node.host_state == 4 * 12 * mb
+    assert fsdp.adamw.gpu.device_state == 4 * mb  # bf16 moments on the device
+    assert fsdp.adamw.gpu.device == 10 * mb
+
+    ddp = plan(8 * mb, strategy="ddp", unit_params=mb, **common)
+    assert ddp.offload.gpu.params == ddp.offload.gpu.grads == 16 * mb
+    assert ddp.offload.gpu.unsharded == 0 and ddp.unit_parameters == 0
+    assert ddp.state_bytes == 96 * mb
+    assert ddp.offload.gpu.staging == 2 * 4 * 4 * (1 << 22)  # chunks of chunk_size, 4 Mi
+    assert ddp.offload.node.host_state == 4 * 96 * mb
+    assert ddp.adamw.node.device == 4 * ddp.adamw.gpu.device == 4 * (16 + 16 + 32) * mb
+
+
+def test_fsdp2_shards_like_torch_chunk():
+    """37 rows over 2 ranks: rank 0 updates 19 (and each stores 19, padded)."""
+    uneven = plan(37, strategy="fsdp2", gpus=2, pin_memory=False, **MACHINE)
+    assert uneven.state_bytes == 19 * 8
+    assert uneven.memory_stats(1)["state_bytes"] == 18 * 8
+    with pytest.raises(ValueError, match="node 0's ranks, 0 to 1; got 2"):
+        uneven.memory_stats(2)
+    assert uneven.offload.node.host_state == 37 * 8
+    assert uneven.offload.node.params == 2 * 19 * 4
+
+
+def test_fsdp2_state_per_gpu_is_close_to_a_share():
+    for size in LLAMA_2:
+        ddp = plan(size, precision="bf16-true", gpus=8, **MACHINE)
+        fsdp = plan(size, precision="bf16-true", gpus=8, strategy="fsdp2", **MACHINE)
+        assert fsdp.state_bytes == pytest.approx(ddp.state_bytes / 8, rel=0.01)
+        assert fsdp.offload.node.host == pytest.approx(ddp.offload.gpu.host, rel=1e-4)
+        layer = plan(size, precision="bf16-true", strategy="fsdp2", **MACHINE).unit_parameters
+        assert fsdp.offload.gpu.unsharded == 2 * layer
+
+
+def test_fits_leaves_headroom():
+    seven = plan("7b", precision="bf16-true", gpu_memory=40 * GB, host_memory=100 * GB)
+    assert seven.adamw.fits_gpu is False  # 53.9 GB
+    assert seven.offload.fits_gpu is True  # 27.1 GB
+    assert seven.offload.fits_host is True  # 80.9 GB of 90
+    tight = plan("7b", precision="bf16-true", gpu_memory=40 * GB, host_memory=85 * GB)
+    assert tight.offload.fits_host is False  # 80.9 GB > 90% of 85
+    assert tight.adamw.fits_host is True
+
+
+def test_exported_from_the_package():
+    assert lightning_offload_optim.plan is plan
+    assert isinstance(plan(10, **MACHINE), MemoryPlan)
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    ("model", "options", "message"),
+    [
+        (10, {"precision": "bf16"}, "unknown precision 'bf16'"),
+        (10, {"strategy": "fsdp"}, "unknown strategy 'fsdp'"),
+        (10, {"gpus": 0}, "gpus must be an int of at least 1"),
+        (10, {"nodes": 1.5}, "nodes must be an int"),
+        (10, {"chunk_size": 32}, "chunk_size must be an int of at least 64"),
+        (10, {"headroom": 1.0}, "headroom must be in"),
+        (-5, {}, "the parameter count must be at least 1"),
+        ({"vocab_size": 10, "hidden_size": 8}, {}, "lacks intermediate_size, num_hidden_layers"),
+        ("8b", {}, "neither a preset"),
+    ],
+)
+def test_bad_input_is_refused(model, options, message):
+    with pytest.raises(ValueError, match=message):
+        plan(model, **{**MACHINE, **options})
+
+
+def test_a_non_model_is_refused():
+    with pytest.raises(TypeError, match=r"give a count, a config or an nn\.Module"):
+        plan(True, **MACHINE)
+
+
+# ------------------------------------------------------------------ CLI
+def test_cli_prints_the_table(capsys):
+    fsdp2 = ["--gpus", "8", "--strategy", "fsdp2", "--precision", "bf16-true"]
+    result = main(["70b", *fsdp2, "--gpu-memory", "80GB", "--host-memory", "2TB"])
+    out = capsys.readouterr().out
+    assert result.gpus == 8 and result.gpu_memory == 80 * GB and result.host_memory == 2000 * GB
+    assert "Llama-2 70B: 68,976,648,192 parameters" in out
+    for row in ("optimizer state, host RAM", "total device", "fits GPU (80.0 GB)"):
+        assert row in out
+    host_row = next(line for line in out.splitlines() if line.startswith("total host RAM"))
+    assert host_row.split()[-1] == f"{result.offload.node.host / GB:.2f}"
+
+
+def test_cli_takes_counts_and_refuses_bad_input(capsys):
+    result = main(["7e9", "--unit-params", "1000000", "--gpu-memory", "1GiB"])
+    assert result.parameters == 7 * 10**9 and result.gpu_memory == 2**30
+    with pytest.raises(SystemExit):
+        main(["7b", "--gpus", "0"])
+    assert "gpus must be an int of at least 1" in capsys.readouterr().err
