@@ -30,7 +30,7 @@ from lightning_offload_optim.host_state import (
     state_keys,
 )
 from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
-from lightning_offload_optim.sharding import like_param, local
+from lightning_offload_optim.sharding import like_param, local, refuse_fsdp1
 from lightning_offload_optim.step_stats import StepRecord
 from lightning_offload_optim.validation import (
     FORMAT_KEY,
@@ -154,6 +154,7 @@ class OffloadAdamW(torch.optim.AdamW):
             tensors = [p[1] if isinstance(p, tuple) else p for p in params]
             first: dict[int, int] = {}
             for position, param in enumerate(tensors):
+                refuse_fsdp1(param, position)
                 if id(param) in first:
                     raise ValueError(
                         f"parameter {first[id(param)]} of the new param group is listed again "

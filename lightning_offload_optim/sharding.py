@@ -60,6 +60,25 @@ def check_same_sharding(param: Tensor, grad: Tensor, where: str) -> None:
     )
 
 
+def refuse_fsdp1(param: Tensor, position: int) -> None:
+    """Refuse parameters managed by FSDP1 (``FullyShardedDataParallel``, Lightning's
+    ``FSDPStrategy``), which marks them ``_fsdp_flattened``.
+
+    FSDP1 flattens parameters into per-rank slices of a ``FlatParameter`` and converts optimizer
+    state through its own ``optim_state_dict`` functions; Lightning runs it on GPUs only, so that
+    path could not be checked against torch AdamW here. FSDP2 shards parameters as DTensors,
+    which this optimizer supports and which PyTorch recommends over FSDP1.
+    """
+    if getattr(param, "_fsdp_flattened", False):
+        raise ValueError(
+            f"parameter {position} of the new param group is managed by FSDP1 "
+            "(FullyShardedDataParallel / Lightning's FSDPStrategy), which OffloadAdamW does not "
+            "support. Shard with FSDP2 instead: torch.distributed.fsdp.fully_shard, or in "
+            "Lightning ModelParallelStrategy with fully_shard in configure_model "
+            "(see docs/scaling.md)."
+        )
+
+
 def _zero_offset_alias(view: Tensor) -> Tensor:
     """The same memory as ``view`` in a tensor whose storage starts where it does.
 

@@ -445,3 +445,22 @@ def test_malformed_checkpoint_errors_name_the_real_problem(how, message):
     with pytest.raises(ValueError, match=message):
         opt.load_state_dict(malformed(opt.state_dict(), how))
     assert_steps_like_twin(opt, params, twin, twin_params)
+
+
+@pytest.mark.no_stream_check  # FSDP's own set-up, not our pipeline
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_parameters_are_refused_with_the_way_out(tmp_path, use_orig_params):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/rendezvous"
+    )
+    try:
+        model = FullyShardedDataParallel(
+            torch.nn.Linear(4, 3), device_id=torch.device("cpu"), use_orig_params=use_orig_params
+        )
+        with pytest.raises(ValueError, match=r"FSDP1.*fully_shard.*ModelParallelStrategy"):
+            OffloadAdamW(model.parameters())
+    finally:
+        dist.destroy_process_group()
