@@ -225,6 +225,57 @@ def refusals(mesh) -> dict:
     return {"messages": messages, "ours": [after], "reference": [before]}
 
 
+def zero_redundancy(mesh) -> dict:
+    """ZeroRedundancyOptimizer(optimizer_class=...): train, consolidate, load into a fresh one
+    (which writes the moments straight into the inner optimizer's ``state``), consolidate
+    again before any step, and train on; torch AdamW does exactly the same."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    shapes = [(37, 6), (37,), (75, 37), (75,), (1, 75)]
+    result: dict = {}
+    for name, optimizer_class, kwargs in (
+        ("ours", OffloadAdamW, HYPER),
+        ("reference", torch.optim.AdamW, HYPER | {"fused": True}),
+    ):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(shape)) for shape in shapes]
+        grads = torch.Generator().manual_seed(7)
+
+        def train(optimizer, steps: int, params=params, grads=grads) -> None:
+            for _ in range(steps):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=grads)
+                optimizer.step()
+
+        def consolidated(optimizer) -> dict:
+            optimizer.consolidate_state_dict(to=0)
+            state = [optimizer.state_dict() if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(state, src=0)
+            return state[0]
+
+        def zero(params=params, optimizer_class=optimizer_class, kwargs=kwargs):
+            return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
+
+        first = zero()
+        train(first, STEPS)
+        saved = consolidated(first)
+        second = zero()
+        second.load_state_dict(saved)
+        again = consolidated(second)  # before any step: what was loaded
+        result[f"{name}_moments"] = [e["exp_avg_sq"] for e in again["state"].values()]
+        train(second, 2)
+        result[name] = [p.detach().clone() for p in params]
+        if name == "ours":
+            inner = second.optim.state.values()
+            result["only_steps_are_tensors"] = all(
+                {k for k, v in entry.items() if isinstance(v, torch.Tensor)} == {"step"}
+                for entry in inner
+            )
+    result["ours"] += result.pop("ours_moments")
+    result["reference"] += result.pop("reference_moments")
+    return result
+
+
 # ------------------------------------------------------------------------------ checkpoints
 def trained(mesh, make, steps=STEPS):
     model = sharded_net(mesh)
@@ -473,6 +524,7 @@ def scenarios(phase: str, out: Path) -> dict[str, Callable]:
         "fsdp_mixed_precision_policy": fsdp_mixed_precision_policy,
         "tensor_parallel_placements": tensor_parallel_placements,
         "refusals": refusals,
+        "zero_redundancy": zero_redundancy,
         "sharded_state_dict": sharded_state_dict,
         "distributed_checkpoint": lambda mesh: distributed_checkpoint(mesh, out),
         "flattened_checkpoint": lambda mesh: flattened_checkpoint(mesh, out),

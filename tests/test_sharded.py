@@ -26,6 +26,7 @@ TWO_RANK_SCENARIOS = [
     "fsdp_mixed_precision_policy",
     "tensor_parallel_placements",
     "refusals",
+    "zero_redundancy",
     "sharded_state_dict",
     "distributed_checkpoint",
     "flattened_checkpoint",
@@ -142,3 +143,10 @@ def test_planner_predicts_each_ranks_memory(runs, scenario, options):
             assert reported[key] == expected[key], key
         if scenario != "fsdp_steps":  # staged; the plain CPU path stages nothing
             assert reported["staging_bytes"] == expected["staging_bytes"]
+
+
+def test_zero_redundancy_load_is_adopted_into_host_memory(runs):
+    """ZeroRedundancyOptimizer's load writes tensors into the inner optimizer's state; they
+    are moved into host buffers (and the comparison above shows they are the loaded values)."""
+    for result in results(runs, "all", "zero_redundancy"):
+        assert result["only_steps_are_tensors"]
