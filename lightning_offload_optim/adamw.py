@@ -228,7 +228,7 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def _collect_active(self) -> tuple[list[_Active], dict[Tensor, Slot]]:
         """Check this step's parameters; lay out (not yet adopt) state for new ones."""
-        found: list[tuple[Tensor, int, Slot | None, Tensor | None]] = []
+        found: list[tuple[Tensor, Tensor, int, Slot | None, Tensor | None]] = []
         new: list[tuple[Tensor, tuple[str, ...]]] = []
         foreign: list[tuple[Tensor, int, int]] = []
         slots, states = self._host.slots, self.state
@@ -237,12 +237,13 @@ class OffloadAdamW(torch.optim.AdamW):
                 if param.grad is None:
                     continue
                 check_gradient(param, g, position)
+                part = local(param)  # what this rank updates: itself, or a DTensor's shard
                 state = states.get(param)
                 slot = slots.get(param)
                 if not state:  # a first step, or state cleared since
                     new.append((param, state_keys(param, group["amsgrad"])))
                     slot = None
-                elif not isinstance(state.get("exp_avg"), Offloaded):
+                elif slot is None or not isinstance(state.get("exp_avg"), Offloaded):
                     foreign.append((param, g, position))  # not ours: written into .state
                 elif group["amsgrad"] and "max_exp_avg_sq" not in slot.arena.keys:
                     raise RuntimeError(
@@ -250,25 +251,29 @@ class OffloadAdamW(torch.optim.AdamW):
                         "switched on after the first step"
                     )
                 else:
-                    self._check_unchanged(param, slot, g, position)
-                found.append((param, g, slot, state["step"] if state else None))
+                    self._check_unchanged(param, part, slot, g, position)
+                found.append((param, part, g, slot, state["step"] if state else None))
         if foreign:
             self._adopt_state(foreign)
             return self._collect_active()
         new_slots = self._host.allocate(new) if new else {}
         active = []
-        for param, g, slot, step in found:
+        for param, part, g, slot, step in found:
             if slot is None:
                 slot = new_slots[param]
                 step = torch.zeros((), dtype=torch.float32)
+            flat_param = slot.flat_param(part)
             flat_grad = slot.layout.flat(local(param.grad))
-            active.append(_Active(param, slot, g, slot.flat_param(param), flat_grad, step))
+            active.append(_Active(param, slot, g, flat_param, flat_grad, step))
         return active, new_slots
 
-    def _check_unchanged(self, param: Tensor, slot: Slot, group: int, position: int) -> None:
+    def _check_unchanged(
+        self, param: Tensor, part: Tensor, slot: Slot, group: int, position: int
+    ) -> None:
         """Refuse a parameter whose shape, dtype or device changed; follow a stride change
-        (``model.to(memory_format=torch.channels_last)``) by reordering its state."""
-        layout, part = slot.layout, local(param)
+        (``model.to(memory_format=torch.channels_last)``) by reordering its state. ``part`` is
+        the parameter's local part (itself, or a DTensor's shard)."""
+        layout = slot.layout
         now = (part.shape, part.dtype, part.device, part.stride())
         if now == (layout.shape, layout.dtype, layout.device, layout.stride):
             return

@@ -285,15 +285,16 @@ class Slot:
         return self.arena.buffers[key][self.offset : self.offset + self.layout.numel]
 
     def flat_param(self, param: Tensor) -> Tensor:
-        """A flat real view of ``param`` (cached while its storage stays the same).
+        """A flat real view of ``param``, a plain tensor (a DTensor's local shard), cached while
+        its storage stays the same.
 
         A view of ``param.detach()``: a view of the parameter itself would hold a reference to
         it, and ``torch.utils.swap_tensors`` (``load_state_dict(assign=True)``, ``Module.to``
         with swapping on) refuses tensors that something else references.
         """
-        pointer = local(param).data_ptr()
+        pointer = param.data_ptr()
         if self._flat_param is None or self._flat_param[0] != pointer:
-            self._flat_param = (pointer, self.layout.flat(local(param).detach()))
+            self._flat_param = (pointer, self.layout.flat(param.detach()))
         return self._flat_param[1]
 
     def relayout(self, param: Tensor) -> None:

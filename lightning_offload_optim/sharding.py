@@ -22,18 +22,20 @@ from torch import Tensor
 try:
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    _DTENSOR: type | tuple = DTensor
 except ImportError:  # a torch build without torch.distributed: no DTensors can exist
     DTensor = Replicate = None  # type: ignore[assignment,misc]
+    _DTENSOR = ()  # isinstance(x, ()) is False
 
 
 def is_dtensor(tensor: object) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
+    return isinstance(tensor, _DTENSOR)
 
 
 def local(tensor: Tensor) -> Tensor:
     """The part of ``tensor`` this rank holds and updates: a DTensor's local shard (sharing its
     memory), or ``tensor`` itself."""
-    if not is_dtensor(tensor):
+    if not isinstance(tensor, _DTENSOR):  # called per parameter per step: inlined
         return tensor
     with torch.no_grad():
         return tensor.to_local()
@@ -48,8 +50,9 @@ def describe_sharding(tensor: Tensor) -> str:
 def check_same_sharding(param: Tensor, grad: Tensor, where: str) -> None:
     """Refuse a gradient sharded differently from its parameter (the local shards would not
     line up element for element)."""
-    if is_dtensor(param) == is_dtensor(grad) and (
-        not is_dtensor(param)
+    sharded = isinstance(param, _DTENSOR)
+    if sharded == isinstance(grad, _DTENSOR) and (
+        not sharded
         or (grad.placements == param.placements and grad.device_mesh == param.device_mesh)
     ):
         return

@@ -464,3 +464,14 @@ def test_fsdp1_parameters_are_refused_with_the_way_out(tmp_path, use_orig_params
             OffloadAdamW(model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_step_count_without_moments_in_optimizer_state_is_refused():
+    """An entry replaced by hand with only a step count: the moments are gone from it, so the
+    step refuses it (naming the parameter) rather than stepping on whatever the buffers hold."""
+    opt, params = trained()
+    opt.state[params[1]] = {"step": torch.tensor(3.0)}
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(KeyError, match=r"parameter 1 of param group 0 .*optimizer.state.*exp_avg"):
+        opt.step()
+    assert_same(params, before)

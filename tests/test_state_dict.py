@@ -436,3 +436,28 @@ def test_empty_state_entries_load_as_torch_loads_them():
     torch_opt.load_state_dict(copy.deepcopy(saved))
     step_together([offload, torch_opt], [params, reference], generator, 2)
     assert_same(params, reference)
+
+
+@pytest.mark.parametrize("written_on", ["step", "state_dict"])
+def test_state_written_into_optimizer_state_is_adopted(written_on):
+    """ZeroRedundancyOptimizer's load writes whole entries (moments as tensors) into
+    ``optimizer.state``; they replace the offloaded state, whether the next call is a step or
+    a state_dict(), and then live in host memory again."""
+    params = make_params()
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    step_together([opt], [params], torch.Generator().manual_seed(1), 2)
+    reference_params = make_params(seed=5)
+    reference = torch.optim.AdamW(reference_params, fused=True)
+    step_together([reference], [reference_params], torch.Generator().manual_seed(2), 3)
+    for p, r in zip(params, reference_params, strict=True):
+        p.data.copy_(r)
+        opt.state[p] = {k: v.clone() for k, v in reference.state[r].items()}
+    if written_on == "state_dict":
+        saved = opt.state_dict()["state"]
+        expected = reference.state_dict()["state"]
+        for index, entry in expected.items():
+            assert_same([saved[index][k] for k in entry], list(entry.values()))
+    generator = torch.Generator().manual_seed(3)
+    step_together([opt, reference], [params, reference_params], generator, 2)
+    assert_same(params, reference_params)
+    assert_state_offloaded(opt, params)
