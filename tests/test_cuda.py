@@ -253,3 +253,78 @@ def test_refused_pinning_falls_back_and_the_next_kernels_run(monkeypatch):
         step_together([offload, torch_opt], [params, reference], torch.Generator(), 3)
     assert offload.memory_stats()["pinned"] is False
     assert_same(params, reference)
+
+
+def test_fsdp2_on_one_gpu_matches_torch_and_resumes_through_dcp(tmp_path):
+    """FSDP2 on a 1-rank CUDA mesh: steps bit-identical to torch fused AdamW on the same
+    DTensors, state in pinned host memory as DTensors, and a torch.distributed.checkpoint save
+    and in-place load that resumes bit-identically."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"file://{tmp_path}/rdv")
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+
+        def model() -> torch.nn.Module:
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(
+                torch.nn.Linear(64, 1000), torch.nn.LayerNorm(1000), torch.nn.Linear(1000, 3)
+            )
+            for layer in (net[0], net[2]):
+                fully_shard(layer, mesh=mesh)
+            return fully_shard(net, mesh=mesh)
+
+        def train(net, optimizer, steps: range) -> None:
+            for step in steps:
+                generator = torch.Generator().manual_seed(step)
+                x = torch.randn(16, 64, generator=generator).to(CUDA)
+                net(x).pow(2).mean().backward()
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
+                optimizer.step()
+                optimizer.zero_grad()
+
+        ours, theirs = model(), model()
+        offload = OffloadAdamW(ours.parameters(), lr=0.01, weight_decay=0.1, chunk_size=1 << 16)
+        reference = torch.optim.AdamW(theirs.parameters(), lr=0.01, weight_decay=0.1, fused=True)
+        train(ours, offload, range(3))
+        train(theirs, reference, range(3))
+        assert_same(
+            [p.full_tensor() for p in ours.parameters()],
+            [p.full_tensor() for p in theirs.parameters()],
+        )
+        saved = get_optimizer_state_dict(ours, offload)
+        moments = [v for entry in saved["state"].values() for k, v in entry.items() if k != "step"]
+        assert all(isinstance(v, DTensor) and v.to_local().is_pinned() for v in moments)
+        assert offload.memory_stats()["pinned"]
+        dcp.save(
+            {"model": get_model_state_dict(ours), "optim": saved}, checkpoint_id=tmp_path / "ckpt"
+        )
+
+        resumed = model()
+        fresh = OffloadAdamW(resumed.parameters(), lr=0.01, weight_decay=0.1, chunk_size=1 << 16)
+        state = {
+            "model": get_model_state_dict(resumed),
+            "optim": get_optimizer_state_dict(resumed, fresh),
+        }
+        dcp.load(state, checkpoint_id=tmp_path / "ckpt")
+        set_model_state_dict(resumed, state["model"])
+        set_optimizer_state_dict(resumed, fresh, state["optim"])
+        train(resumed, fresh, range(3, 5))
+        train(theirs, reference, range(3, 5))
+        assert_same(
+            [p.full_tensor() for p in resumed.parameters()],
+            [p.full_tensor() for p in theirs.parameters()],
+        )
+    finally:
+        dist.destroy_process_group()
