@@ -12,6 +12,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -451,9 +452,10 @@ class OffloadAdamW(torch.optim.AdamW):
                 for group in state_dict["param_groups"]
             ],
         }
-        # Hooks run here, around the whole load, not inside torch's.
-        with self._writing_state(matched, replace=True), self._load_hooks_suspended():
-            super().load_state_dict(stripped)
+        with self._load_hooks_suspended():  # they run here, around the whole load
+            self._write_state(
+                matched, replace=True, then=partial(super().load_state_dict, stripped)
+            )
         self._interrupted = None
         for group in self.param_groups:
             _record_fused(group)
@@ -484,19 +486,19 @@ class OffloadAdamW(torch.optim.AdamW):
             )
             for param, g, position in entries
         ]
-        with self._writing_state(matched, replace=False):
-            pass
+        self._write_state(matched, replace=False)
 
-    @contextlib.contextmanager
-    def _writing_state(self, matched: list[LoadedEntry], replace: bool) -> Iterator[None]:
-        """Write checked entries into host buffers around the body (torch's own load).
+    def _write_state(
+        self, matched: list[LoadedEntry], *, replace: bool, then: Callable[[], Any] = lambda: None
+    ) -> None:
+        """Write checked entries into host buffers, then call ``then`` (torch's own load).
 
         The current buffers are written in place when every parameter keeps its layout and no
         source overlaps another parameter's buffers: the state is then never held twice. Else
-        new buffers are filled before the body runs, so a failure leaves everything as it was.
+        new buffers are filled before ``then`` runs, so a failure leaves everything as it was.
         In place, a failure partway leaves a mix, so the optimizer refuses to step until the
         next load. Afterwards the entries' ``optimizer.state`` holds their step counts, as
-        float32 host copies, and :class:`Offloaded` marks.
+        float32 host copies, and :class:`Offloaded` marks; ``replace`` drops every other slot.
         """
         self._pipeline.wait_host()  # the sources may be views of this optimizer's own buffers
         requests = [(m.param, state_keys(m.param, m.amsgrad)) for m in matched]
@@ -508,7 +510,7 @@ class OffloadAdamW(torch.optim.AdamW):
             copies = []
         try:
             _copy_all(copies)
-            yield
+            then()
         except BaseException as error:
             if copies:
                 self._interrupted = f"{type(error).__name__}: {error} (while loading state)"

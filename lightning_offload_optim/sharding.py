@@ -22,6 +22,7 @@ from torch import Tensor
 try:
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     _DTENSOR: type | tuple = DTensor
 except ImportError:  # a torch build without torch.distributed: no DTensors can exist
     DTensor = Replicate = None  # type: ignore[assignment,misc]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,6 +98,21 @@ def fail_on_call(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(target, name, wrapper)
+
+
+def run_script(name: str, *args: object, timeout: int = 900) -> None:
+    """Run ``tests/<name>`` (a multi-process scenario) with the package and the tests
+    importable; fail with the end of its stderr if it fails."""
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    done = subprocess.run(
+        [sys.executable, str(here / name), *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
 
 
 def assert_state_offloaded(

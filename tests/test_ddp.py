@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
-from conftest import assert_same
-
-HERE = Path(__file__).resolve().parent
+from conftest import assert_same, run_script
 
 
 def test_ddp_two_processes_match_torch_adamw(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "ddp_fit.py"), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script("ddp_fit.py", tmp_path, timeout=600)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     for result in ranks:
         assert_same(result["offload"]["params"], result["torch"]["params"])

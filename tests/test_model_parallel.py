@@ -3,30 +3,15 @@ against torch AdamW doing the same fit, sharded and single-file checkpoints, and
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import assert_same
-
-HERE = Path(__file__).resolve().parent
+from conftest import assert_same, run_script
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("model_parallel")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "model_parallel_fit.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-5000:]
+    run_script("model_parallel_fit.py", out)
     assert (out / "ckpt-offload-sharded" / "step=2.ckpt" / ".metadata").is_file()
     assert (out / "ckpt-offload-file" / "step=2.ckpt").is_file()
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]

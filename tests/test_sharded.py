@@ -6,18 +6,14 @@ costs more than the scenarios); each test here checks one scenario's result on e
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same
+from conftest import assert_same, run_script
 
 from lightning_offload_optim import plan
 
-HERE = Path(__file__).resolve().parent
 TWO_RANK_SCENARIOS = [
     "fsdp_steps",
     "fsdp_amsgrad",
@@ -43,15 +39,7 @@ TWO_RANK_SCENARIOS = [
 
 
 def launch(world_size: int, phase: str, out: Path) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "sharded_worker.py"), str(world_size), phase, str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-5000:]
+    run_script("sharded_worker.py", world_size, phase, out)
     return [torch.load(out / f"{phase}-rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
