@@ -612,7 +612,8 @@ class OffloadAdamW(torch.optim.AdamW):
     # ------------------------------------------------------------ inspection
     def offloaded_state(self, param: Tensor) -> dict[str, Tensor]:
         """A copy of ``param``'s offloaded state, shaped like it: ``exp_avg``, ``exp_avg_sq``,
-        ``max_exp_avg_sq`` (amsgrad) and ``master_param`` (bf16/fp16 params), all fp32 on the host.
+        ``max_exp_avg_sq`` (amsgrad) and ``master_param`` (bf16/fp16 params), all fp32 on the host
+        (for a DTensor parameter, DTensors sharded like it over copies of this rank's shards).
 
         Copies, so inspecting never changes training; ``{}`` before the parameter's first step.
         """
