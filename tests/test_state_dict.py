@@ -461,3 +461,71 @@ def test_state_written_into_optimizer_state_is_adopted(written_on):
     step_together([opt, reference], [params, reference_params], generator, 2)
     assert_same(params, reference_params)
     assert_state_offloaded(opt, params)
+
+
+def test_loading_own_entries_swapped_between_parameters():
+    """Entries that view this optimizer's own buffers, each loaded into another parameter:
+    writing them in place one by one would read already-overwritten values."""
+    params = make_params([(64, 3)] * 3)
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    generator = torch.Generator().manual_seed(21)
+    step_together([opt], [params], generator, 2)
+    saved = opt.state_dict()
+    reference_params = clone_params(params)
+    reference = torch.optim.AdamW(reference_params, fused=True)
+    reference.load_state_dict(save_and_load(saved))
+    rotated = {**saved, "state": {i: saved["state"][(i + 1) % 3] for i in range(3)}}
+    expected = {**rotated, "state": save_and_load(rotated["state"])}
+    opt.load_state_dict(rotated)
+    reference.load_state_dict(expected)
+    step_together([opt, reference], [params, reference_params], generator, 2)
+    assert_same(params, reference_params)
+
+
+def test_load_after_a_stride_change_takes_the_new_layout():
+    """Buffers laid out for the old strides cannot be written in place with the new ones."""
+    params = make_params([(4, 3, 5, 6)])
+    opt = OffloadAdamW(params)
+    generator = torch.Generator().manual_seed(22)
+    step_together([opt], [params], generator, 1)
+    saved = save_and_load(opt.state_dict())
+    params[0].data = params[0].data.contiguous(memory_format=torch.channels_last)
+    reference_params = clone_params(params)
+    reference = torch.optim.AdamW(reference_params, fused=True)
+    # torch's fused kernel pairs elements by memory position, so its state and gradients must
+    # have the parameter's memory format (as autograd's gradients do).
+    converted = save_and_load(saved)
+    for key in ("exp_avg", "exp_avg_sq"):
+        moment = converted["state"][0][key]
+        converted["state"][0][key] = moment.contiguous(memory_format=torch.channels_last)
+    reference.load_state_dict(converted)
+    opt.load_state_dict(saved)
+    for _ in range(2):
+        grad = torch.randn(params[0].shape, generator=generator)
+        for p, optimizer in ((params[0], opt), (reference_params[0], reference)):
+            p.grad = grad.contiguous(memory_format=torch.channels_last)
+            optimizer.step()
+    assert_same(params, reference_params)
+    assert_same(
+        [opt.offloaded_state(params[0])["exp_avg"]],
+        [reference.state[reference_params[0]]["exp_avg"]],
+    )
+
+
+def test_load_after_a_shape_change_takes_the_new_shape():
+    """A parameter replaced by one of another shape (same size), then a checkpoint for the new
+    shape loaded: the state is laid out anew, as torch's AdamW takes it."""
+    params = make_params([(6, 40)])
+    opt = OffloadAdamW(params)
+    generator = torch.Generator().manual_seed(23)
+    step_together([opt], [params], generator, 1)
+    params[0].data = torch.randn(40, 6, generator=generator)
+    reference_params = clone_params(params)
+    reference = torch.optim.AdamW(reference_params, fused=True)
+    step_together([reference], [reference_params], generator, 2)
+    saved = save_and_load(reference.state_dict())
+    for p, r in zip(params, reference_params, strict=True):
+        p.data.copy_(r)
+    opt.load_state_dict(saved)
+    step_together([opt, reference], [params, reference_params], generator, 2)
+    assert_same(params, reference_params)
