@@ -150,7 +150,9 @@ class OffloadAdamW(torch.optim.AdamW):
         then steps it twice per step). Groups record ``fused=True``: that is the kernel used,
         and ``torch.optim.AdamW`` loading the state dict then uses it too."""
         params = param_group.get("params") if isinstance(param_group, dict) else None
-        if params is not None and not isinstance(params, (Tensor, set)):
+        if isinstance(params, Tensor):
+            refuse_fsdp1(params, 0)
+        elif params is not None and not isinstance(params, set):
             param_group["params"] = params = list(params)
             tensors = [p[1] if isinstance(p, tuple) else p for p in params]
             first: dict[int, int] = {}
@@ -214,17 +216,16 @@ class OffloadAdamW(torch.optim.AdamW):
             torch._foreach_add_(host_steps, torch.tensor(1.0), alpha=1.0)
             self._pipeline.run(chunks, update)
         except BaseException as error:
-            self._interrupted = f"{type(error).__name__}: {error}"
+            self._interrupted = f"step() failed partway through its update ({_name(error)})"
             raise
         return loss
 
     def _refuse_if_interrupted(self) -> None:
         if self._interrupted is not None:
             raise RuntimeError(
-                "OffloadAdamW: an earlier step() failed partway through its update "
-                f"({self._interrupted}), so parameters and optimizer state may be partly "
-                "updated. Restore the model's weights and this optimizer's state from a "
-                "checkpoint (load_state_dict) before stepping or saving again."
+                f"OffloadAdamW: an earlier {self._interrupted}, so parameters and optimizer "
+                "state may be partly updated. Restore the model's weights and this optimizer's "
+                "state from a checkpoint (load_state_dict) before stepping or saving again."
             )
 
     def _collect_active(self) -> tuple[list[_Active], dict[Tensor, Slot]]:
@@ -463,14 +464,14 @@ class OffloadAdamW(torch.optim.AdamW):
             post_hook(self)
 
     def _foreign_entries(self) -> list[tuple[Tensor, int, int]]:
-        """Parameters whose ``optimizer.state`` entry holds tensors under offloaded keys: written
-        there by something other than this optimizer (``ZeroRedundancyOptimizer.load_state_dict``
-        writes loaded state straight into the inner optimizer's ``state``)."""
+        """Parameters whose ``optimizer.state`` entry this optimizer did not write (it marks its
+        own with :class:`Offloaded`): ``ZeroRedundancyOptimizer.load_state_dict`` writes loaded
+        state straight into the inner optimizer's ``state``, and users edit it by hand."""
         return [
             (param, g, position)
             for g, group in enumerate(self.param_groups)
             for position, param in enumerate(group["params"])
-            if any(isinstance(self.state.get(param, {}).get(k), Tensor) for k in OFFLOADED_KEYS)
+            if (entry := self.state.get(param)) and not isinstance(entry.get("exp_avg"), Offloaded)
         ]
 
     def _adopt_state(self, entries: list[tuple[Tensor, int, int]]) -> None:
@@ -491,29 +492,35 @@ class OffloadAdamW(torch.optim.AdamW):
     def _write_state(
         self, matched: list[LoadedEntry], *, replace: bool, then: Callable[[], Any] = lambda: None
     ) -> None:
-        """Write checked entries into host buffers, then call ``then`` (torch's own load).
+        """Write checked entries into host buffers, calling ``then`` (torch's own load) before
+        anything of this optimizer changes.
 
-        The current buffers are written in place when every parameter keeps its layout and no
-        source overlaps another parameter's buffers: the state is then never held twice. Else
-        new buffers are filled before ``then`` runs, so a failure leaves everything as it was.
-        In place, a failure partway leaves a mix, so the optimizer refuses to step until the
-        next load. Afterwards the entries' ``optimizer.state`` holds their step counts, as
-        float32 host copies, and :class:`Offloaded` marks; ``replace`` drops every other slot.
+        The current buffers are written in place, after ``then``, when every parameter keeps its
+        layout and no source overlaps another parameter's buffers: the state is then never held
+        twice. Else new buffers are filled before ``then`` runs. A failure before the in-place
+        writes leaves everything as it was; one during them leaves a mix, so the optimizer
+        refuses to step until the next load. Afterwards the entries' ``optimizer.state`` holds
+        their step counts, as float32 host copies, and :class:`Offloaded` marks; ``replace``
+        drops every other slot.
         """
         self._pipeline.wait_host()  # the sources may be views of this optimizer's own buffers
+        self._drop_stale_masters(matched)
         requests = [(m.param, state_keys(m.param, m.amsgrad)) for m in matched]
-        slots = self._host.reusable(requests)
+        # A load of some parameters only would keep the others' buffers alive with nothing in them.
+        whole = not replace or len(requests) == len(self._host.slots)
+        slots = self._host.reusable(requests) if whole else None
         copies = self._loaded_copies(matched, slots) if slots is not None else None
         if copies is None or any(self._host.overlaps(src) for _, src in copies):
             slots = self._host.allocate(requests)
             _copy_all(self._loaded_copies(matched, slots))
             copies = []
+        then()  # torch's own load first: it may still refuse, and it leaves the buffers alone
         try:
             _copy_all(copies)
-            then()
         except BaseException as error:
-            if copies:
-                self._interrupted = f"{type(error).__name__}: {error} (while loading state)"
+            self._interrupted = (
+                f"load_state_dict() failed partway through writing the state ({_name(error)})"
+            )
             raise
         if replace:
             self._host.replace(slots)
@@ -524,6 +531,36 @@ class OffloadAdamW(torch.optim.AdamW):
             # A copy (steps advance in place); fused or capturable AdamW saves them on the device.
             step = torch.as_tensor(m.entry["step"]).detach()
             self._mark_offloaded(m.param, slots[m.param], step.to("cpu", torch.float32, copy=True))
+
+    def _drop_stale_masters(self, matched: list[LoadedEntry]) -> None:
+        """Take the master copy from the parameter where the loaded one is this optimizer's own
+        buffer and does not round to the parameter.
+
+        A distributed checkpoint is loaded into the tensors of ``state_dict()``, master copies
+        included; one written by ``torch.optim.AdamW`` has none (read with
+        ``allow_partial_load``), which leaves in our buffer the master of the fake step DCP
+        made before the model's weights were loaded. Those weights are the truth then, as when a
+        torch AdamW state dict is loaded directly.
+        """
+        stale = 0
+        for m in matched:
+            slot, master = self._host.slots.get(m.param), m.local.get(MASTER_KEY)
+            if slot is None or master is None or MASTER_KEY not in slot.arena.keys:
+                continue
+            own = slot.layout.flat(master).data_ptr() == slot.view(MASTER_KEY).data_ptr()
+            part = local(m.param)
+            if own and not torch.equal(master.to(part.dtype), part):
+                m.local = {k: v for k, v in m.local.items() if k != MASTER_KEY}
+                stale += 1
+        if stale:
+            warnings.warn(
+                f"OffloadAdamW: the fp32 master copies of {stale} parameter(s) were loaded in "
+                "place but do not round to the parameters (a distributed checkpoint without "
+                "master copies, such as torch.optim.AdamW's, read with allow_partial_load); "
+                "they are taken from the parameters. Load the model's weights before the "
+                "optimizer's.",
+                stacklevel=4,
+            )
 
     @staticmethod
     def _loaded_copies(
@@ -651,6 +688,10 @@ class OffloadAdamW(torch.optim.AdamW):
             "pinned": self._host.pinned,
             "staging_bytes": self._pipeline.staging_bytes,
         }
+
+
+def _name(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def _copy_all(copies: list[tuple[Tensor, Tensor]]) -> None:

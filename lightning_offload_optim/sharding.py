@@ -16,11 +16,14 @@ plain and sharded parameters, and this module is where the two meet.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
 try:
     from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _DTENSOR: type | tuple = DTensor
@@ -102,17 +105,16 @@ def _zero_offset_alias(view: Tensor) -> Tensor:
 
 def like_param(param: Tensor, state: Tensor) -> Tensor:
     """``state`` (host memory shaped like ``param``'s local shard) as ``param`` is: a DTensor
-    over the same mesh and placements, with the global shape and stride, viewing ``state``."""
+    over the same mesh and placements, with the global shape and stride, viewing ``state``.
+
+    Built from the parameter's sharding spec, as FSDP2 builds its CPU-offloaded parameters:
+    ``DTensor.from_local`` would copy host state to a CUDA mesh's device.
+    """
     if not is_dtensor(param):
         return state
-    return DTensor.from_local(
-        _zero_offset_alias(state),
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    meta = TensorMeta(param.shape, param.stride(), state.dtype)
+    spec = dataclasses.replace(param._spec, tensor_meta=meta)
+    return DTensor(_zero_offset_alias(state), spec, requires_grad=False)
 
 
 def _local_slice(full: Tensor, param: Tensor) -> Tensor:

@@ -418,6 +418,45 @@ def flattened_checkpoint(mesh, out: Path) -> dict:
     return round_trip(mesh, dcp_save(directory, options), dcp_load(directory, options))
 
 
+def torch_bf16_checkpoint_to_ours(mesh, out: Path) -> dict:
+    """A torch AdamW distributed checkpoint of bf16 parameters (bf16 moments, no master copy)
+    resumed with OffloadAdamW: read with allow_partial_load, the master copies come from the
+    loaded weights and the moments are upcast. The reference continues the torch-trained model
+    with fp32 AdamW on fp32 copies, loaded from the same torch state."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    directory = out / "torch-bf16"
+    model = sharded_net(mesh, torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    for step in range(STEPS):
+        train_step(model, optimizer, step, dtype=torch.bfloat16)
+    dcp_save(directory)(model, optimizer)
+
+    fresh = sharded_net(mesh, torch.bfloat16)
+    ours_optimizer = OffloadAdamW(fresh.parameters(), **HYPER)
+    state = {
+        "model": get_model_state_dict(fresh),
+        "optim": get_optimizer_state_dict(fresh, ours_optimizer),
+    }
+    result = {}
+    try:
+        dcp.load(state, checkpoint_id=directory)
+    except BaseException as error:  # dcp.CheckpointException derives from BaseException
+        result["strict_error"] = str(error)
+    dcp.load(state, checkpoint_id=directory, planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_model_state_dict(fresh, state["model"])
+    set_optimizer_state_dict(fresh, ours_optimizer, state["optim"])
+
+    reference = MasterAdamW(model.parameters(), **HYPER)
+    reference.inner.load_state_dict(optimizer.state_dict())
+    for step in range(STEPS, STEPS + 2):
+        train_step(fresh, ours_optimizer, step, dtype=torch.bfloat16)
+        train_step(model, reference, step, dtype=torch.bfloat16)
+    result["ours"] = full(fresh.parameters())
+    result["reference"] = full(model.parameters())
+    return result
+
+
 def full_state_dict(mesh) -> dict:
     options = StateDictOptions(full_state_dict=True)
     return round_trip(
@@ -529,6 +568,7 @@ def scenarios(phase: str, out: Path) -> dict[str, Callable]:
         "distributed_checkpoint": lambda mesh: distributed_checkpoint(mesh, out),
         "flattened_checkpoint": lambda mesh: flattened_checkpoint(mesh, out),
         "full_state_dict": full_state_dict,
+        "torch_bf16_checkpoint_to_ours": lambda mesh: torch_bf16_checkpoint_to_ours(mesh, out),
         "full_state_dict_broadcast": full_state_dict_broadcast,
         "deepcopy": in_memory(copy.deepcopy),
         "torch_save": in_memory(saved_and_loaded),

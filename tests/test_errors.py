@@ -462,6 +462,10 @@ def test_fsdp1_parameters_are_refused_with_the_way_out(tmp_path, use_orig_params
         )
         with pytest.raises(ValueError, match=r"FSDP1.*fully_shard.*ModelParallelStrategy"):
             OffloadAdamW(model.parameters())
+        opt = OffloadAdamW([torch.nn.Parameter(torch.zeros(2))])
+        with pytest.raises(ValueError, match="FSDP1"):  # a lone tensor, not in a list
+            opt.add_param_group({"params": next(model.parameters())})
+        assert len(opt.param_groups) == 1
     finally:
         dist.destroy_process_group()
 
@@ -475,3 +479,36 @@ def test_step_count_without_moments_in_optimizer_state_is_refused():
     with pytest.raises(KeyError, match=r"parameter 1 of param group 0 .*optimizer.state.*exp_avg"):
         opt.step()
     assert_same(params, before)
+
+
+def test_load_that_torch_refuses_changes_nothing_when_written_in_place():
+    """Our checks pass this dict (an extra entry torch's own load cannot cast), torch's load
+    refuses it: the moments must not have been written into the current buffers already."""
+    opt, params = trained()
+    before = snapshot(opt, params)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["exp_avg"] = torch.full(params[0].shape, 123.0)
+    saved["state"][0]["note"] = range(3)  # torch's _cast rebuilds it with type(value)(generator)
+    reference = torch.optim.AdamW(clone_params(params), fused=True)
+    with pytest.raises(TypeError):
+        reference.load_state_dict(copy.deepcopy(saved))  # torch refuses it too
+    with pytest.raises(TypeError):
+        opt.load_state_dict(saved)
+    assert_unchanged(opt, params, before)
+    opt.step()  # not refused: nothing was half-written
+
+
+def test_interrupted_in_place_load_refuses_until_the_next_load(monkeypatch):
+    opt, _ = trained()
+    saved = copy.deepcopy(opt.state_dict())
+    # The second of the in-place copies (the saved tensors are copies, so all are written).
+    fail_on_call(monkeypatch, torch.Tensor, "copy_", 2, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        opt.load_state_dict(saved)
+    monkeypatch.undo()
+    with pytest.raises(
+        RuntimeError, match=r"load_state_dict\(\) failed partway .*KeyboardInterrupt"
+    ):
+        opt.step()
+    opt.load_state_dict(saved)
+    opt.step()

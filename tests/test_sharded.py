@@ -27,6 +27,7 @@ TWO_RANK_SCENARIOS = [
     "distributed_checkpoint",
     "flattened_checkpoint",
     "full_state_dict",
+    "torch_bf16_checkpoint_to_ours",
     "full_state_dict_broadcast",
     "deepcopy",
     "torch_save",
@@ -138,3 +139,8 @@ def test_zero_redundancy_load_is_adopted_into_host_memory(runs):
     are moved into host buffers (and the comparison above shows they are the loaded values)."""
     for result in results(runs, "all", "zero_redundancy"):
         assert result["only_steps_are_tensors"]
+
+
+def test_strict_load_of_a_checkpoint_without_master_copies_names_the_missing_key(runs):
+    for result in results(runs, "all", "torch_bf16_checkpoint_to_ours"):
+        assert "master_param" in result["strict_error"]

@@ -529,3 +529,27 @@ def test_load_after_a_shape_change_takes_the_new_shape():
     opt.load_state_dict(saved)
     step_together([opt, reference], [params, reference_params], generator, 2)
     assert_same(params, reference_params)
+
+
+def test_load_of_some_parameters_frees_the_others_buffers():
+    """Loading state for some parameters only drops the others' state (as torch does); their
+    buffers must not stay alive next to the new ones they get at their next step."""
+    params = make_params()
+    opt = OffloadAdamW(params)
+    generator = torch.Generator().manual_seed(24)
+    step_together([opt], [params], generator, 2)
+    saved = save_and_load(opt.state_dict())
+    saved["state"] = {i: saved["state"][i] for i in (0, 1)}
+    opt.load_state_dict(saved)
+    step_together([opt], [params], generator, 1)
+    stats = opt.memory_stats()
+    assert stats["host_bytes"] == stats["state_bytes"] == 8 * sum(p.numel() for p in params)
+
+
+def test_entry_reduced_to_its_step_count_is_refused_by_state_dict_too():
+    params = make_params()
+    opt = OffloadAdamW(params)
+    step_together([opt], [params], torch.Generator().manual_seed(25), 1)
+    opt.state[params[1]] = {"step": torch.tensor(3.0)}
+    with pytest.raises(KeyError, match=r"parameter 1 of param group 0 .*missing"):
+        opt.state_dict()

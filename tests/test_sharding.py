@@ -1,0 +1,110 @@
+"""DTensor handling on one process (a 1-rank gloo group): state dict tensors that view the host
+buffers on a mesh of any device type, and loaded tensors turned into this rank's part.
+
+The 2-rank runs against torch AdamW are in test_sharded.py; these cover what they cannot.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import assert_same
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim.sharding import like_param
+
+pytestmark = pytest.mark.no_stream_check  # DTensor dispatch under the checker's recording mode
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    rendezvous = tmp_path_factory.mktemp("rendezvous") / "file"
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{rendezvous}")
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def trained(mesh, shape=(6, 5)):
+    placement = Shard(0)
+    generator = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(
+        distribute_tensor(torch.randn(shape, generator=generator), mesh, [placement])
+    )
+    opt = OffloadAdamW([param], lr=0.1)
+    for _ in range(2):
+        param.grad = distribute_tensor(torch.randn(shape, generator=generator), mesh, [placement])
+        opt.step()
+    return opt, param
+
+
+def test_state_wraps_host_memory_whatever_the_mesh_device(mesh):
+    """On a CUDA mesh, DTensor.from_local would copy host state to the GPU; the state must stay
+    a view of the host buffer. (A mesh claiming another device type stands in for CUDA.)"""
+    _, param = trained(mesh)
+    other = copy.copy(mesh)
+    other._device_type = "meta"
+    on_other = DTensor.from_local(param.to_local(), other, param.placements, run_check=False)
+    host = torch.zeros(param.shape)
+    wrapped = like_param(on_other, host)
+    assert wrapped.to_local().data_ptr() == host.data_ptr()
+    assert wrapped.device_mesh is other and wrapped.placements == param.placements
+    assert wrapped.shape == param.shape and wrapped.stride() == param.stride()
+
+
+def test_state_dict_views_the_host_buffers_and_copies_of_it_own_their_memory(mesh):
+    opt, _ = trained(mesh)
+    entry = opt.state_dict()["state"][0]
+    moment = entry["exp_avg"]
+    assert isinstance(moment, DTensor) and opt._host.overlaps(moment.to_local())
+    buffer = io.BytesIO()
+    torch.save(entry, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(entry), torch.load(buffer, weights_only=True)):
+        assert not opt._host.overlaps(copied["exp_avg"].to_local())
+        assert_same([copied["exp_avg"].to_local()], [moment.to_local()])
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda t: t.full_tensor(),
+        lambda t: t.redistribute(t.device_mesh, [Replicate()]),
+        lambda t: DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements),
+    ],
+    ids=["full-tensor", "replicated", "same-sharding"],
+)
+def test_loaded_tensors_become_this_ranks_part(mesh, convert):
+    opt, param = trained(mesh)
+    saved = opt.state_dict()
+    expected = {k: v.full_tensor().clone() for k, v in saved["state"][0].items() if k != "step"}
+    fresh = OffloadAdamW([param], lr=0.1)
+    fresh.load_state_dict(
+        {
+            **saved,
+            "state": {
+                0: {k: v if k == "step" else convert(v) for k, v in saved["state"][0].items()}
+            },
+        }
+    )
+    loaded = fresh.offloaded_state(param)
+    for key, value in expected.items():
+        assert_same([loaded[key].full_tensor()], [value])
+
+
+def test_state_sharded_otherwise_is_refused_naming_the_way_to_reshard(mesh):
+    opt, param = trained(mesh, shape=(4, 4))
+    saved = opt.state_dict()
+    before = opt.offloaded_state(param)["exp_avg"].full_tensor()
+    entry = saved["state"][0]
+    entry["exp_avg"] = DTensor.from_local(entry["exp_avg"].to_local().clone(), mesh, [Shard(1)])
+    with pytest.raises(ValueError, match=r"Shard\(dim=1\).*torch.distributed.checkpoint"):
+        opt.load_state_dict(saved)
+    assert_same([opt.offloaded_state(param)["exp_avg"].full_tensor()], [before])
