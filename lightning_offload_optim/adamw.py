@@ -30,6 +30,7 @@ from lightning_offload_optim.host_state import (
     Slot,
     state_keys,
 )
+from lightning_offload_optim.overlap import ForwardOverlap
 from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
 from lightning_offload_optim.sharding import like_param, local, refuse_fsdp1
 from lightning_offload_optim.step_stats import StepRecord
@@ -143,6 +144,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._host = HostState(lambda device: pin and pipeline.stages(device))
         self._plans: OrderedDict[tuple[int, ...], list[Chunk]] = OrderedDict()
         self._interrupted: str | None = None
+        self._overlap: ForwardOverlap | None = None
         self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -204,6 +206,10 @@ class OffloadAdamW(torch.optim.AdamW):
         def update(chunk: Chunk, views: dict[str, Tensor]) -> None:
             self._update_chunk(chunk, views, active, device_steps, hyper)
 
+        overlap = self._overlapping()
+        if overlap is not None:  # the update reads gradients after step() returns
+            for a in active:
+                self._pipeline.used_by_update(a.flat_grad)
         # Everything is checked and allocated: from here on the update runs.
         try:
             if new_slots:
@@ -214,11 +220,60 @@ class OffloadAdamW(torch.optim.AdamW):
                         self._mark_offloaded(a.param, a.slot, a.step)
             # A tensor increment: 4x faster than a Python scalar over many tensors on the CPU.
             torch._foreach_add_(host_steps, torch.tensor(1.0), alpha=1.0)
-            self._pipeline.run(chunks, update)
+            self._pipeline.run(chunks, update, overlap=overlap is not None)
         except BaseException as error:
             self._interrupted = f"step() failed partway through its update ({_name(error)})"
+            self._pipeline.join_updates()
             raise
+        if overlap is not None:
+            for chunk, event in zip(chunks, self._pipeline.updated, strict=True):
+                if event is not None:
+                    for seg in chunk.segments:
+                        overlap.updated(active[seg.index].param, event, chunk.arena.device)
         return loss
+
+    def overlap_with(self, module: torch.nn.Module) -> ForwardOverlap:
+        """Let ``step()`` return before its updates finish, so ``module``'s next forward pass
+        overlaps them: each submodule's forward waits (on the device) only for its own
+        parameters. Results are bit-identical to an ordinary step.
+
+        ``zero_grad()``, ``state_dict()``, ``load_state_dict()``, the next ``step()`` and
+        ``module.state_dict()`` wait by themselves; call :meth:`wait_for_updates` before reading
+        parameters any other way between a step and the next forward pass. Returns the hooks'
+        owner; ``.remove()`` it to step synchronously again (it waits for the queued updates).
+        Only staged devices (GPUs) overlap; CPU parameters are updated in place at once.
+
+        Example::
+
+            optimizer = OffloadAdamW(model.parameters())
+            optimizer.overlap_with(model)
+        """
+        if self._overlap is not None:
+            self._overlap.remove()
+        self._overlap = ForwardOverlap(module, self._pipeline)
+        self._plans.clear()
+        return self._overlap
+
+    def _overlapping(self) -> ForwardOverlap | None:
+        overlap = self._overlap
+        return overlap if overlap is not None and not overlap.removed else None
+
+    def wait_for_updates(self) -> None:
+        """Order the current streams after every update queued so far (on the device; the host
+        does not block). Needed only with :meth:`overlap_with`, before reading parameters
+        outside a forward pass of the overlapped module."""
+        overlap = self._overlapping()
+        if overlap is not None:
+            overlap.wait_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's. With overlap, dropping the gradients (``set_to_none=True``, the default)
+        needs no wait: the caching allocator keeps their memory until the queued updates have
+        read them. Zeroing them in place waits for all queued updates, so the next forward
+        pass does not overlap them."""
+        if not set_to_none:
+            self.wait_for_updates()
+        super().zero_grad(set_to_none)
 
     def _refuse_if_interrupted(self) -> None:
         if self._interrupted is not None:
@@ -258,6 +313,10 @@ class OffloadAdamW(torch.optim.AdamW):
         if foreign:
             self._adopt_state(foreign)
             return self._collect_active()
+        overlap = self._overlapping()
+        if new and overlap is not None and overlap.order:  # lay state out in forward order
+            last = len(overlap.order)
+            new.sort(key=lambda request: overlap.order.get(request[0], last))
         new_slots = self._host.allocate(new) if new else {}
         active = []
         for param, part, g, slot, step in found:
@@ -298,12 +357,17 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def _plan(self, active: list[_Active], cache: bool) -> list[Chunk]:
         """The chunk plan for this set of active parameters, from a small LRU cache."""
-        key = tuple(id(a.slot) for a in active)
+        overlap = self._overlapping()
+        order = overlap.order if overlap is not None else {}
+        key = (*(id(a.slot) for a in active), len(order))
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)
             return plan
         plan = plan_chunks([a.slot for a in active], self._chunk_limit)
+        if order:  # update first what the next forward pass uses first
+            last = len(order)
+            plan.sort(key=lambda c: min(order.get(active[s.index].param, last) for s in c.segments))
         if cache:
             self._plans[key] = plan
             if len(self._plans) > PLAN_CACHE_SIZE:

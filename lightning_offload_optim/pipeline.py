@@ -140,7 +140,7 @@ class StagingPipeline:
                     if key in buffer and buffer[key].numel() >= numel:
                         continue
                     buffer[key] = torch.empty(numel, dtype=dtype, device=device)
-                    streams.used_by_copies(buffer[key])
+                    streams.used_by_side_streams(buffer[key])
 
     @property
     def staging_bytes(self) -> int:
@@ -158,21 +158,29 @@ class StagingPipeline:
         keys = chunk.arena.keys if self.stages(chunk.arena.device) else ()
         return (*keys, GRAD_KEY) if MASTER_KEY in chunk.arena.keys else keys
 
-    def run(self, chunks: Sequence[Chunk], update: ChunkUpdate) -> StepRecord:
+    def run(
+        self, chunks: Sequence[Chunk], update: ChunkUpdate, overlap: bool = False
+    ) -> StepRecord:
         """Call ``update(chunk, views)`` for every chunk, ``views`` holding its state by key.
 
         ``views`` also holds a :data:`GRAD_KEY` scratch for chunks with a master copy. Staged
         chunks are written back to the host asynchronously; :meth:`wait_host` waits for that,
-        also after a step interrupted partway (:meth:`_settle`). Returns the step's
-        :class:`StepRecord` (also kept as :attr:`last_record`).
+        also after a step interrupted partway (:meth:`_settle`). With ``overlap`` the updates
+        run on each device's update stream, after the work queued so far on the caller's
+        stream, which does not wait for them: :attr:`updated` holds, per chunk, the event after
+        which its parameters are updated (``None`` where it ran in program order). Returns the
+        step's :class:`StepRecord` (also kept as :attr:`last_record`).
         """
         record = StepRecord()
         started = time.perf_counter()
         staged = {chunk.arena.device for chunk in chunks if self.stages(chunk.arena.device)}
-        begins = {}
+        begins, computes = {}, {}
+        self.updated: list[torch.Event | None] = []
         for device in staged:
             streams = self._streams[device]
-            compute = streams.compute()
+            compute = computes[device] = streams.update if overlap else streams.compute()
+            if overlap:  # after the backward pass (and clipping) that made the gradients
+                streams.wait(compute, streams.record(streams.compute()))
             begins[device] = streams.record(compute, timing=True)
             # Staging memory may have been in use on the compute stream just before (freshly
             # allocated), and the host buffers may still be written by the last copy-out.
@@ -187,9 +195,13 @@ class StagingPipeline:
                 buffer = self._buffers[kind][number] if keys else {}
                 views = {key: buffer[key][: chunk.numel] for key in keys}
                 if is_staged:
-                    self._run_staged(chunk, views, update, number, record)
+                    compute = computes[chunk.arena.device]
+                    self.updated.append(
+                        self._run_staged(chunk, views, update, number, record, compute)
+                    )
                 else:
                     update(chunk, views | chunk.host_views())
+                    self.updated.append(None)
         except BaseException:
             self._settle(staged, chunks)
             raise
@@ -211,7 +223,9 @@ class StagingPipeline:
         update: ChunkUpdate,
         number: int,
         record: StepRecord,
-    ) -> None:
+        compute: torch.Stream | None,
+    ) -> torch.Event | None:
+        """Load, update on ``compute`` and write back one chunk; the event after its update."""
         device = chunk.arena.device
         streams = self._streams[device]
         free = self._free.setdefault((device, chunk.arena.dtype), [None] * self.num_buffers)
@@ -223,9 +237,9 @@ class StagingPipeline:
                 for key, view in host.items():
                     staged[key].copy_(view, non_blocking=True)
             loaded = streams.record(streams.copy_in)
-        compute = streams.compute()
         streams.wait(compute, loaded)
-        update(chunk, staged)
+        with streams.on(compute):
+            update(chunk, staged)
         computed = streams.record(compute)
         with streams.on(streams.copy_out):
             streams.wait(streams.copy_out, computed)
@@ -236,6 +250,7 @@ class StagingPipeline:
             chunk.arena.written_by(free[number])
         record.bytes_in += nbytes
         record.bytes_out += nbytes
+        return computed
 
     def _settle(self, devices: set[torch.device], chunks: Sequence[Chunk]) -> None:
         """After a fault partway through :meth:`run`: copies may have been queued whose events
@@ -249,8 +264,25 @@ class StagingPipeline:
             if chunk.arena.device in devices:
                 chunk.arena.written_by(self._host_ready[chunk.arena.device])
 
+    def caller_waits(self, event: torch.Event | None, device: torch.device) -> None:
+        """Make the caller's current stream on ``device`` wait (on the device) for ``event``."""
+        streams = self._streams[device]
+        streams.wait(streams.compute(), event)
+
+    def used_by_update(self, tensor: Tensor) -> None:
+        """``tensor`` is read by an update that may run after the caller frees it."""
+        if tensor.device in self._streams:
+            self._streams[tensor.device].used_by_update(tensor)
+
+    def join_updates(self) -> None:
+        """Make the caller's streams wait (on the device) for every update queued so far."""
+        for streams in self._streams.values():
+            streams.wait(streams.compute(), streams.record(streams.update))
+
     def wait_host(self) -> None:
-        """Block until every staged chunk has been written back to the host buffers."""
+        """Block until every staged chunk has been written back to the host buffers; order the
+        caller's streams after every queued update (on the device)."""
+        self.join_updates()
         for event in self._host_ready.values():
             if event is not None:
                 event.synchronize()

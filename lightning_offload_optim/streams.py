@@ -27,10 +27,12 @@ def device_module(device: torch.device) -> ModuleType | Any | None:
 
 
 class PipelineStreams:
-    """The three streams of the staging pipeline on ``device``.
+    """The streams of the staging pipeline on ``device``.
 
-    The compute stream is the caller's current stream, so the update is ordered after the
-    backward pass that produced the gradients and before the next forward pass, with no wait.
+    The update runs on the caller's current stream, so it is ordered after the backward pass
+    that produced the gradients and before the next forward pass, with no wait; or, when the
+    step overlaps the next forward, on a side stream of its own (:attr:`update`), which waits
+    for the caller's stream and which the forward's hooks wait for, parameter by parameter.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -39,9 +41,11 @@ class PipelineStreams:
         self.is_async = self._module is not None
         self.copy_in: torch.Stream | None = None
         self.copy_out: torch.Stream | None = None
+        self.update: torch.Stream | None = None
         if self._module is not None:
             self.copy_in = self._module.Stream(device)
             self.copy_out = self._module.Stream(device)
+            self.update = self._module.Stream(device)
 
     def compute(self) -> torch.Stream | None:
         return self._module.current_stream(self.device) if self._module is not None else None
@@ -69,9 +73,15 @@ class PipelineStreams:
         if stream is not None and event is not None:
             stream.wait_event(event)
 
-    def used_by_copies(self, tensor: torch.Tensor) -> None:
-        """Tell the caching allocator that the copy streams use ``tensor`` (allocated on the
-        compute stream), so its memory is not reused before their work is done."""
-        for stream in (self.copy_in, self.copy_out):
+    def used_by_update(self, tensor: torch.Tensor) -> None:
+        """Tell the caching allocator that the update stream reads ``tensor`` (a gradient the
+        caller may free with ``zero_grad(set_to_none=True)`` before the update ran)."""
+        if isinstance(self.update, torch.Stream):
+            tensor.record_stream(self.update)
+
+    def used_by_side_streams(self, tensor: torch.Tensor) -> None:
+        """Tell the caching allocator that the side streams use ``tensor`` (allocated on the
+        caller's stream), so its memory is not reused before their work is done."""
+        for stream in (self.copy_in, self.copy_out, self.update):
             if isinstance(stream, torch.Stream):
                 tensor.record_stream(stream)

@@ -122,7 +122,38 @@ def scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             opt.offloaded_state(param)
         problems += _unsettled_arenas(opt)
         opt.load_state_dict(copy.deepcopy(checkpoint))
-    return problems
+    return problems + overlap_scenario(monkeypatch)
+
+
+def overlap_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Steps that overlap the next forward (``overlap_with``): the update waits for the
+    backward's gradients, each layer's forward for its parameters, ``module.state_dict()`` and
+    ``zero_grad(set_to_none=False)`` for all updates, also after a step interrupted in its
+    second chunk's update."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)
+    opt.overlap_with(model)
+    x = torch.ones(2, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+        opt.zero_grad()
+    step()
+    for tensor in model.state_dict().values():
+        tensor.clone()
+    step()
+    opt.zero_grad(set_to_none=False)
+    with monkeypatch.context() as patch:
+        _inside_second_update(patch)
+        with pytest.raises(KeyboardInterrupt):
+            step()
+    for param in model.parameters():
+        param.clone()
+    return _unsettled_arenas(opt)
 
 
 def _after_first_copy_out(patch: pytest.MonkeyPatch) -> None:
@@ -163,9 +194,9 @@ def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_harness_finds_every_ordering_step():
-    """Six waits, six data-ordering events and one host wait today: a new one counts too."""
+    """Nine waits, eight data-ordering events and one host wait today: a new one counts too."""
     kinds = [label.split(": ", 1)[1].split("(")[0] for label, _ in MUTANTS]
-    assert sorted(kinds) == ["event.synchronize"] + ["streams.record"] * 6 + ["streams.wait"] * 6
+    assert sorted(kinds) == ["event.synchronize"] + ["streams.record"] * 8 + ["streams.wait"] * 9
 
 
 @pytest.mark.no_stream_check  # it runs its own checker

@@ -1,0 +1,96 @@
+"""Let the next forward pass start while the optimizer step is still updating parameters.
+
+With overlap on, :meth:`OffloadAdamW.step` queues each chunk's update on a side stream of the
+device and returns without waiting. :class:`ForwardOverlap` then orders whoever reads the
+parameters after their update, on the device (the host never blocks):
+
+- each module's forward pre-hook makes the current stream wait for the last update of the
+  module's own parameters (so the first layers compute while later layers' state still
+  streams); it runs before other pre-hooks, FSDP2's all-gather among them;
+- the root module's pre-hook also waits for optimized parameters that no module of the tree
+  owns (used functionally), and its ``state_dict`` pre-hook waits for all (checkpoints);
+- ``zero_grad()``, the next ``step()``, ``load_state_dict`` and reads of the host state wait
+  for everything (the optimizer calls :meth:`ForwardOverlap.wait_all` or the pipeline does);
+- anything else that reads parameters outside a forward pass must call
+  ``optimizer.wait_for_updates()`` first.
+
+The first forward pass records the order in which parameters are first used; later steps
+update chunks in that order, so the parameters the forward needs first are ready first.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lightning_offload_optim.pipeline import StagingPipeline
+
+
+class ForwardOverlap:
+    """The forward hooks of one module for one optimizer's pipeline, and the events they wait
+    for. It holds the pipeline, not the optimizer: the module's hooks keep it alive, and they
+    must not keep the optimizer's host buffers alive with it.
+    """
+
+    def __init__(self, module: nn.Module, pipeline: StagingPipeline) -> None:
+        self._pipeline = pipeline
+        self.removed = False
+        #: Per parameter, the event after which its latest update is done (and its device).
+        self.pending: dict[Tensor, tuple[Any, torch.device]] = {}
+        #: Parameters by first use in a forward pass, once one has run.
+        self.order: dict[Tensor, int] = {}
+        self._owned: set[Tensor] = set()
+        self._handles = []
+        for child in module.modules():
+            params = list(child.parameters(recurse=False))
+            self._owned.update(params)
+            if params or child is module:
+                hook = functools.partial(self._before_forward, params, child is module)
+                self._handles.append(
+                    child.register_forward_pre_hook(
+                        lambda _m, _args, hook=hook: hook(), prepend=True
+                    )
+                )
+        self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
+
+    def _before_forward(self, params: list[Tensor], root: bool) -> None:
+        if len(self.order) < len(self._owned):  # until every parameter has been seen
+            for param in params:
+                self.order.setdefault(param, len(self.order))
+        if not self.pending:
+            return
+        needed = [p for p in params if p in self.pending]
+        if root:  # optimized parameters no module of the tree owns
+            needed += [p for p in self.pending if p not in self._owned]
+        self._wait(needed)
+
+    def _wait(self, params: Iterable[Tensor]) -> None:
+        seen = set()
+        for param in params:
+            event, device = self.pending[param]
+            if id(event) not in seen:
+                seen.add(id(event))
+                self._pipeline.caller_waits(event, device)
+
+    def updated(self, param: Tensor, event: Any, device: torch.device) -> None:
+        """Note that ``param``'s latest update is done after ``event``."""
+        self.pending[param] = (event, device)
+
+    def wait_all(self) -> None:
+        """Order the current streams after every update queued so far."""
+        self._pipeline.join_updates()
+        self.pending.clear()
+
+    def remove(self) -> None:
+        """Wait for the queued updates and remove the hooks; the optimizer's steps are then
+        synchronous again."""
+        self.wait_all()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.removed = True

@@ -1,0 +1,154 @@
+"""optimizer.overlap_with(module): step() returns before its updates finish; the next forward
+waits for each module's own parameters only. Results must equal an ordinary step's, and the
+stream-ordering checker (on for every test here) must find every access ordered.
+
+On the CPU the staged pipeline (``force_staging=True``) runs on simulated streams under the
+checker: the update on a side stream, the forward on the current stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same
+from torch import nn
+
+from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim.overlap import ForwardOverlap
+
+
+class Net(nn.Module):
+    """Layers registered in the reverse of their forward order, a tied weight (``embed`` and
+    ``head``), a layer called twice, and a parameter the root uses directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(16, 10, bias=False)
+        self.twice = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.embed = nn.Embedding(10, 16)
+        self.head.weight = self.embed.weight
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = self.norm(x) * self.scale
+        x = self.twice(torch.tanh(self.twice(x)))
+        return self.head(x)
+
+
+def train(model: nn.Module, optimizer, steps: int, set_to_none: bool = True) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        tokens = torch.randint(0, 10, (4, 5), generator=generator)
+        model(tokens).logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def overlapped(dtype: torch.dtype = torch.float32) -> tuple[Net, OffloadAdamW]:
+    model = Net().to(dtype)
+    optimizer = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    optimizer.overlap_with(model)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_bit_identical_to_torch_and_every_access_ordered(stream_order, set_to_none):
+    model, optimizer = overlapped()
+    reference = Net()
+    train(model, optimizer, 4, set_to_none)
+    train(reference, torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True), 4)
+    stream_order.expect_none()
+    optimizer.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_bf16_parameters_with_master_copies(stream_order):
+    model, optimizer = overlapped(torch.bfloat16)
+    plain = Net().to(torch.bfloat16)
+    train(model, optimizer, 3)
+    train(plain, OffloadAdamW(plain.parameters(), lr=0.05, force_staging=True, chunk_size=64), 3)
+    stream_order.expect_none()
+    model.state_dict()  # waits for the updates
+    assert_same(list(model.parameters()), list(plain.parameters()))
+
+
+def test_step_returns_before_the_updates_and_the_forward_waits_per_module(stream_order):
+    """Right after step() the current stream has not waited for the update stream; the first
+    module's forward makes it wait for that module's parameters, not for all of them."""
+    model, optimizer = overlapped()
+    train(model, optimizer, 1)
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    model(tokens).sum().backward()
+    optimizer.step()
+    streams = optimizer._pipeline._streams[torch.device("cpu")]
+    update, current = streams.update, stream_order.current
+    assert current.clock.get(update.id, 0) < update.clock[update.id]  # not joined yet
+    pending = optimizer._overlap.pending
+    embed_event, _ = pending[model.embed.weight]
+    last_event, _ = pending[model.head.weight]  # tied: the same parameter
+    model.embed(tokens)
+    assert current.clock[update.id] >= embed_event.clock[update.id]
+    assert current.clock[update.id] < update.clock[update.id]
+    del last_event
+    stream_order.expect_none()
+
+
+def test_updates_run_in_the_order_the_forward_uses_parameters(monkeypatch):
+    """Registered in reverse: the first forward's order lays the state out and orders the
+    chunks, so the first layers' parameters are ready first."""
+    model, optimizer = overlapped()
+    train(model, optimizer, 1)  # the first forward records the order
+    updated = []
+    real = optimizer._update_chunk
+
+    def spy(chunk, views, active, steps, hyper):
+        updated.extend(active[s.index].param for s in chunk.segments)
+        return real(chunk, views, active, steps, hyper)
+
+    monkeypatch.setattr(optimizer, "_update_chunk", spy)
+    train(model, optimizer, 1)
+    first_use = [
+        model.scale,  # the root's own parameter: waited for when the root's forward starts
+        model.embed.weight,  # also head.weight
+        model.norm.weight,
+        model.norm.bias,
+        model.twice.weight,
+        model.twice.bias,
+    ]
+    seen = list(dict.fromkeys(id(p) for p in updated))  # parameters split over chunks: once
+    assert seen == [id(p) for p in first_use]
+
+
+def test_each_wait_is_needed(stream_order, monkeypatch):
+    """Without the forward hooks' waits, the forward reads parameters the update still writes."""
+    monkeypatch.setattr(ForwardOverlap, "_wait", lambda self, params: None)
+    model, optimizer = overlapped()
+    train(model, optimizer, 2)
+    assert any("device memory" in v for v in stream_order.violations)
+    stream_order.violations.clear()
+
+
+def test_zero_grad_waits_for_the_update_to_read_the_gradients(stream_order, monkeypatch):
+    model, optimizer = overlapped()
+    monkeypatch.setattr(ForwardOverlap, "wait_all", lambda self: None)
+    train(model, optimizer, 2, set_to_none=False)
+    assert any("zero_" in v for v in stream_order.violations)
+    stream_order.violations.clear()
+
+
+def test_removed_overlap_steps_in_order_again(stream_order):
+    model, optimizer = overlapped()
+    train(model, optimizer, 1)
+    optimizer._overlap.remove()
+    reference = Net()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    train(reference, ref_opt, 1)
+    train(model, optimizer, 2)
+    train(reference, ref_opt, 2)
+    for p in model.parameters():
+        p.detach().clone()  # read with no wait: must be ordered by the synchronous step
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(reference.parameters()))
