@@ -55,6 +55,7 @@ class TinyModel(OffloadOptimizerMixin, pl.LightningModule):
         lr_schedule: str | None = None,
         nan_at_batch: int = -1,
         force_staging: bool = False,
+        overlap_step: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()

@@ -205,12 +205,14 @@ def test_cosine_schedule_needs_a_finite_training_length(tmp_path):
         trainer(tmp_path, max_steps=-1, max_epochs=-1).fit(model)
 
 
-def test_the_mixins_optimizer_is_freed_without_the_cycle_collector():
-    """Its hooks reference the optimizer weakly: pinned host buffers go when it goes."""
+@pytest.mark.parametrize("overlap_step", [False, True])
+def test_the_mixins_optimizer_is_freed_without_the_cycle_collector(overlap_step):
+    """Its hooks (and the overlap's forward hooks) reference the optimizer weakly or not at
+    all: pinned host buffers go when it goes."""
     import gc
     import weakref
 
-    model = TinyModel()
+    model = TinyModel(overlap_step=overlap_step, force_staging=overlap_step)
     optimizer = model.configure_optimizers()
     model.net[0].weight.grad = torch.ones_like(model.net[0].weight)
     optimizer.step()

@@ -109,3 +109,25 @@ def test_monitor_counters_continue_after_resume(tmp_path):
     resume(tmp_path / "b", "offload", folder / "step=4.ckpt", [resumed_monitor], force_staging=True)
     assert resumed_monitor.totals["steps"] == TOTAL_STEPS
     assert resumed_monitor.totals["bytes_in"] == 2 * moved
+
+
+def test_overlapped_steps_fit_save_and_resume_like_torch(tmp_path, stream_order):
+    """overlap_step=True on the staged pipeline: checkpoints saved between an overlapped step
+    and the next forward, and the resumed run, equal torch AdamW's; every access is ordered."""
+    kwargs = {"warmup_steps": 2, "lr_schedule": "cosine"}
+    overlapped = {**kwargs, "overlap_step": True, "force_staging": True}
+    resumed = resume(
+        tmp_path / "a",
+        "offload",
+        checkpoints(tmp_path / "a", "offload", 2, **overlapped) / "step=2.ckpt",
+        **overlapped,
+    )
+    reference = resume(
+        tmp_path / "b",
+        "torch",
+        checkpoints(tmp_path / "b", "torch", 2, **kwargs) / "step=2.ckpt",
+        **kwargs,
+    )
+    stream_order.expect_none()
+    resumed.trainer.optimizers[0].wait_for_updates()
+    assert_same(list(resumed.parameters()), list(reference.parameters()))

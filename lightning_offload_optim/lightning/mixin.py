@@ -75,6 +75,8 @@ class OffloadOptimizerMixin:
     ``offload_chunk_size``    4Mi           :class:`OffloadAdamW` ``chunk_size``
     ``offload_pin_memory``    None          :class:`OffloadAdamW` ``pin_memory``
     ``offload_enabled``       True          False gives plain ``torch.optim.AdamW`` behaviour
+    ``overlap_step``          False         let the step overlap the next forward pass
+                                            (:meth:`OffloadAdamW.overlap_with` this module)
     ========================  ============  ================================================
 
     Norm weights are those of torch's norm modules, of any module whose class name ends in
@@ -107,6 +109,7 @@ class OffloadOptimizerMixin:
         "offload_chunk_size": None,
         "offload_pin_memory": None,
         "offload_enabled": True,
+        "overlap_step": False,
     }
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -163,6 +166,9 @@ class OffloadOptimizerMixin:
     def configure_optimizers(self) -> Any:
         """OffloadAdamW, with the warm-up/cosine schedule when the hyperparameters ask for it."""
         optimizer = OffloadAdamW(**self.offload_optimizer_args())
+        if self.offload_hparam("overlap_step") and optimizer.enabled:
+            assert isinstance(self, torch.nn.Module)
+            optimizer.overlap_with(self)
         if self.offload_hparam("no_decay_norm_and_bias"):
             assert isinstance(self, torch.nn.Module)
             split_groups_added_later(optimizer, self)
