@@ -32,6 +32,7 @@ from lightning_offload_optim.host_state import (
 )
 from lightning_offload_optim.overlap import ForwardOverlap
 from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
+from lightning_offload_optim.resident import budget_bytes, check_resident, resident_prefixes
 from lightning_offload_optim.sharding import like_param, local, refuse_fsdp1
 from lightning_offload_optim.step_stats import StepRecord
 from lightning_offload_optim.validation import (
@@ -51,7 +52,7 @@ DEFAULT_CHUNK_SIZE = 1 << 22
 #: Chunk plans kept for reuse, one per set of parameters with gradients (usually one).
 PLAN_CACHE_SIZE = 8
 #: Constructor settings kept when the optimizer is copied or pickled.
-_SETTINGS = ("enabled", "chunk_size", "pin_memory", "force_staging")
+_SETTINGS = ("enabled", "chunk_size", "pin_memory", "force_staging", "resident")
 
 
 @dataclass
@@ -98,6 +99,12 @@ class OffloadAdamW(torch.optim.AdamW):
         chunk_size: elements per staged chunk and state key (rounded down to a multiple of 64).
             Device memory used is about ``2 * chunk_size * 4 bytes * number of state keys``.
         force_staging: stage chunks through separate buffers even for CPU parameters (tests).
+        resident: state to keep on the device, where it is updated in place and never copied:
+            a share of the state (``0.25``), a number of bytes, or ``"auto"`` (what is free on
+            the device after the first step, less a margin of 10% of it and at least 2 GiB).
+            The parameters the forward pass uses first are kept (see :meth:`overlap_with`).
+            Chosen at the start of each step whose parameters' state is laid out anew (from
+            the second step); checkpoints are the same whatever the share.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -122,6 +129,7 @@ class OffloadAdamW(torch.optim.AdamW):
         enabled: bool = True,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         force_staging: bool = False,
+        resident: float | int | str | None = None,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
             raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
@@ -131,6 +139,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self.enabled = bool(enabled)
         self.chunk_size = chunk_size - chunk_size % SPLIT_ALIGNMENT
         self.force_staging = bool(force_staging)
+        self.resident = check_resident(resident)
         self.pin_memory = _resolve_pin_memory(pin_memory) if self.enabled else False
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
         self._start_offload()
@@ -145,6 +154,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._plans: OrderedDict[tuple[int, ...], list[Chunk]] = OrderedDict()
         self._interrupted: str | None = None
         self._overlap: ForwardOverlap | None = None
+        self._resident_for: tuple[int, ...] = ()
         self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -194,6 +204,8 @@ class OffloadAdamW(torch.optim.AdamW):
             return loss
         self._refuse_if_interrupted()
         hyper = [group_hyperparameters(g, i) for i, g in enumerate(self.param_groups)]
+        if self.resident is not None:
+            self._choose_resident()
         active, new_slots = self._collect_active()
         if not active:
             return loss
@@ -253,6 +265,23 @@ class OffloadAdamW(torch.optim.AdamW):
         self._overlap = ForwardOverlap(module, self._pipeline)
         self._plans.clear()
         return self._overlap
+
+    def _choose_resident(self) -> None:
+        """Pick the resident prefixes when the arenas changed since the last choice."""
+        arenas = [a for a in self._host.arenas if self._pipeline.stages(a.device)]
+        key = tuple(id(a) for a in arenas)
+        if key == self._resident_for:
+            return
+        ends: dict[int, list[int]] = {id(a): [] for a in arenas}
+        for slot in self._host.slots.values():
+            if id(slot.arena) in ends:
+                ends[id(slot.arena)].append(slot.offset + slot.layout.numel)
+        budget = budget_bytes(self.resident, arenas)
+        prefixes = resident_prefixes(arenas, [sorted(ends[id(a)]) for a in arenas], budget)
+        self._pipeline.wait_host()  # resident state newer than the host's is written back
+        self._pipeline.set_resident(dict(zip(arenas, prefixes, strict=True)))
+        self._resident_for = key
+        self._plans.clear()
 
     def _overlapping(self) -> ForwardOverlap | None:
         overlap = self._overlap
@@ -347,6 +376,7 @@ class OffloadAdamW(torch.optim.AdamW):
             )
         self._pipeline.wait_host()
         slot.relayout(param)
+        self._pipeline.invalidate_resident()
 
     def _chunk_limit(self, arena: Arena) -> int:
         """Chunks bound the staging and gradient-scratch memory; arenas updated in place with
@@ -579,6 +609,7 @@ class OffloadAdamW(torch.optim.AdamW):
             _copy_all(self._loaded_copies(matched, slots))
             copies = []
         then()  # torch's own load first: it may still refuse, and it leaves the buffers alone
+        self._pipeline.invalidate_resident()  # resident state is reloaded from the host
         try:
             _copy_all(copies)
         except BaseException as error:
@@ -751,6 +782,7 @@ class OffloadAdamW(torch.optim.AdamW):
             "host_bytes": self._host.allocated_bytes,
             "pinned": self._host.pinned,
             "staging_bytes": self._pipeline.staging_bytes,
+            "resident_bytes": self._pipeline.resident_bytes,
         }
 
 

@@ -243,6 +243,8 @@ class Arena:
             self.offsets.append(self.numel)
             self.numel += layout.numel
         self.pinned = pin and self.numel > 0
+        #: Elements from the start kept resident on the device (set by the pipeline).
+        self.resident_numel = 0
         self._in_flight: list[torch.Event | None] = [None]
         self.buffers: dict[str, Tensor] = {}
         if not self.pinned:

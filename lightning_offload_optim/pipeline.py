@@ -14,6 +14,7 @@ When the parameters live on the host (CPU training) the update runs on the host 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +53,11 @@ class Chunk:
     def numel(self) -> int:
         return self.stop - self.start
 
+    @property
+    def resident(self) -> bool:
+        """Whether the chunk lies in its arena's resident prefix (kept on the device)."""
+        return self.stop <= self.arena.resident_numel
+
     def host_views(self) -> dict[str, Tensor]:
         return {key: buf[self.start : self.stop] for key, buf in self.arena.buffers.items()}
 
@@ -75,7 +81,11 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
         while done < slot.layout.numel:
             position = slot.offset + done
             contiguous = (
-                current is not None and current.arena is slot.arena and current.stop == position
+                current is not None
+                and current.arena is slot.arena
+                and current.stop == position
+                # a non-empty chunk ends where the arena's resident prefix ends
+                and not (current.numel and position == slot.arena.resident_numel)
             )
             room = bound - current.numel if contiguous else 0
             take = slot.layout.numel - done
@@ -92,6 +102,15 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
 
 
 ChunkUpdate = Callable[[Chunk, dict[str, Tensor]], None]
+
+
+@dataclass
+class _Resident:
+    """Device buffers holding an arena's resident prefix, per state key."""
+
+    buffers: dict[str, Tensor]
+    valid: bool = False  # they hold what the host buffers hold (or newer)
+    dirty: bool = False  # they hold newer values than the host buffers
 
 
 class StagingPipeline:
@@ -111,7 +130,9 @@ class StagingPipeline:
         self._buffers: dict[tuple[torch.device, torch.dtype], list[dict[str, Tensor]]] = {}
         self._host_ready: dict[torch.device, torch.Event | None] = {}
         self._free: dict[tuple[torch.device, torch.dtype], list[torch.Event | None]] = {}
+        self._resident: weakref.WeakKeyDictionary[Arena, _Resident] = weakref.WeakKeyDictionary()
         self.last_record: StepRecord | None = None
+        self.updated: list[torch.Event | None] = []
 
     def stages(self, device: torch.device) -> bool:
         return self.force_staging or device.type != "cpu"
@@ -152,10 +173,40 @@ class StagingPipeline:
             for t in buffer.values()
         )
 
+    def set_resident(self, prefixes: dict[Arena, int]) -> None:
+        """Keep ``prefixes[arena]`` elements from each arena's start on its device (allocated
+        here, filled from the host at the next run); 0 keeps none. Call :meth:`wait_host`
+        first, so that resident state that is newer than the host's is not lost."""
+        for arena, numel in prefixes.items():
+            self._resident.pop(arena, None)
+            arena.resident_numel = numel
+            if numel:
+                streams = self._streams_for(arena.device)
+                buffers = {}
+                for key in arena.keys:
+                    buffers[key] = torch.empty(numel, dtype=arena.dtype, device=arena.device)
+                    streams.used_by_side_streams(buffers[key])
+                self._resident[arena] = _Resident(buffers)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of state kept resident on the devices."""
+        return sum(
+            t.untyped_storage().nbytes()
+            for r in self._resident.values()
+            for t in r.buffers.values()
+        )
+
+    def invalidate_resident(self) -> None:
+        """The host buffers were written (a load): reload resident state from them."""
+        for resident in self._resident.values():
+            resident.valid = False
+
     def _staged_keys(self, chunk: Chunk) -> tuple[str, ...]:
-        """The buffers a chunk needs: its state keys when staged, and a gradient scratch when
-        the update runs on an fp32 master copy."""
-        keys = chunk.arena.keys if self.stages(chunk.arena.device) else ()
+        """The buffers a chunk needs: its state keys when staged (not when resident), and a
+        gradient scratch when the update runs on an fp32 master copy."""
+        staged = self.stages(chunk.arena.device) and not chunk.resident
+        keys = chunk.arena.keys if staged else ()
         return (*keys, GRAD_KEY) if MASTER_KEY in chunk.arena.keys else keys
 
     def run(
@@ -175,7 +226,7 @@ class StagingPipeline:
         started = time.perf_counter()
         staged = {chunk.arena.device for chunk in chunks if self.stages(chunk.arena.device)}
         begins, computes = {}, {}
-        self.updated: list[torch.Event | None] = []
+        self.updated = []
         for device in staged:
             streams = self._streams[device]
             compute = computes[device] = streams.update if overlap else streams.compute()
@@ -194,7 +245,10 @@ class StagingPipeline:
                 keys = self._staged_keys(chunk)
                 buffer = self._buffers[kind][number] if keys else {}
                 views = {key: buffer[key][: chunk.numel] for key in keys}
-                if is_staged:
+                if is_staged and chunk.resident:
+                    compute = computes[chunk.arena.device]
+                    self.updated.append(self._run_resident(chunk, views, update, record, compute))
+                elif is_staged:
                     compute = computes[chunk.arena.device]
                     self.updated.append(
                         self._run_staged(chunk, views, update, number, record, compute)
@@ -252,6 +306,50 @@ class StagingPipeline:
         record.bytes_out += nbytes
         return computed
 
+    def _run_resident(
+        self,
+        chunk: Chunk,
+        scratch: dict[str, Tensor],
+        update: ChunkUpdate,
+        record: StepRecord,
+        compute: torch.Stream | None,
+    ) -> torch.Event | None:
+        """Update one chunk in its arena's resident buffers, loading them first if stale."""
+        streams = self._streams[chunk.arena.device]
+        resident = self._resident[chunk.arena]
+        if not resident.valid:
+            host = chunk.arena.buffers
+            numel = chunk.arena.resident_numel
+            with streams.on(streams.copy_in):
+                with record.span(COPY_IN, streams, streams.copy_in):
+                    for key, buffer in resident.buffers.items():
+                        buffer.copy_(host[key][:numel], non_blocking=True)
+                streams.wait(compute, streams.record(streams.copy_in))
+            record.bytes_in += numel * chunk.arena.dtype.itemsize * len(host)
+            resident.valid = True
+        views = {key: b[chunk.start : chunk.stop] for key, b in resident.buffers.items()}
+        with streams.on(compute):
+            update(chunk, views | scratch)
+        resident.dirty = True
+        return streams.record(compute)
+
+    def _flush_resident(self) -> None:
+        """Queue copies of resident state newer than the host's back into the host buffers,
+        after the updates that wrote it (on either stream they may have run on)."""
+        for arena, resident in list(self._resident.items()):
+            if not resident.dirty:
+                continue
+            streams = self._streams[arena.device]
+            caller = streams.compute()  # outside streams.on(): there, the current stream changes
+            with streams.on(streams.copy_out):
+                streams.wait(streams.copy_out, streams.record(streams.update))
+                streams.wait(streams.copy_out, streams.record(caller))
+                for key, buffer in resident.buffers.items():
+                    arena.buffers[key][: arena.resident_numel].copy_(buffer, non_blocking=True)
+                self._host_ready[arena.device] = streams.record(streams.copy_out)
+                arena.written_by(self._host_ready[arena.device])
+            resident.dirty = False
+
     def _settle(self, devices: set[torch.device], chunks: Sequence[Chunk]) -> None:
         """After a fault partway through :meth:`run`: copies may have been queued whose events
         were never recorded. Mark all work on the copy streams so far as the host buffers' last
@@ -280,8 +378,9 @@ class StagingPipeline:
             streams.wait(streams.compute(), streams.record(streams.update))
 
     def wait_host(self) -> None:
-        """Block until every staged chunk has been written back to the host buffers; order the
-        caller's streams after every queued update (on the device)."""
+        """Block until every staged chunk and all resident state have been written back to the
+        host buffers; order the caller's streams after every queued update (on the device)."""
+        self._flush_resident()
         self.join_updates()
         for event in self._host_ready.values():
             if event is not None:

@@ -181,6 +181,7 @@ class MemoryPlan:
             "host_bytes": self.rank_offload[index].host_state,
             "pinned": self.pin_memory and state > 0,
             "staging_bytes": self.rank_offload[index].staging,
+            "resident_bytes": 0,
         }
 
     def format(self) -> str:
@@ -380,6 +381,12 @@ def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:
 
 
 # ------------------------------------------------------------------------------ arithmetic
+class _PlannedArena:
+    """What :func:`~lightning_offload_optim.pipeline.plan_chunks` reads of an arena."""
+
+    resident_numel = 0  # the plan keeps no state resident on the device
+
+
 @dataclass(frozen=True)
 class _PlannedSlot:
     """What :func:`~lightning_offload_optim.pipeline.plan_chunks` reads of a host slot."""
@@ -392,7 +399,7 @@ class _PlannedSlot:
 def _largest_chunk(numels: Sequence[int], bound: int) -> int:
     """The largest chunk the pipeline's own planner cuts from an arena holding ``numels`` one
     after another, chunks bounded by ``bound``."""
-    arena = object()
+    arena = _PlannedArena()
     offsets = itertools.accumulate(numels, initial=0)
     slots = [
         _PlannedSlot(arena, offset, _Param((numel,), torch.float32))

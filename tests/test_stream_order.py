@@ -122,7 +122,7 @@ def scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             opt.offloaded_state(param)
         problems += _unsettled_arenas(opt)
         opt.load_state_dict(copy.deepcopy(checkpoint))
-    return problems + overlap_scenario(monkeypatch)
+    return problems + overlap_scenario(monkeypatch) + resident_scenario()
 
 
 def overlap_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -154,6 +154,36 @@ def overlap_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     for param in model.parameters():
         param.clone()
     return _unsettled_arenas(opt)
+
+
+def resident_scenario() -> list[str]:
+    """State resident on the device: uploaded at its first resident step, updated in place on
+    the caller's stream or, overlapped, on the update stream, written back before reads of the
+    host state, and uploaded again after a load writes the host buffers. All of it resident:
+    with staged chunks after the resident ones, their copy-outs would order the write-back."""
+    params = make_params([(64,), (64,), (64,), (64,)])
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64, resident=1.0)
+    generator = torch.Generator().manual_seed(2)
+    step_together([opt], [params], generator, 3)
+    for param in params:
+        opt.offloaded_state(param)
+    saved = copy.deepcopy(opt.state_dict())
+    step_together([opt], [params], generator, 1)
+    opt.load_state_dict(saved)
+    step_together([opt], [params], generator, 2)
+    opt.state_dict()
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    overlapped = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=1.0)
+    overlapped.overlap_with(model)
+    for _ in range(3):
+        model(torch.ones(2, 8)).sum().backward()
+        overlapped.step()
+        overlapped.zero_grad()
+    for param in model.parameters():
+        overlapped.offloaded_state(param)
+    model(torch.ones(2, 8)).sum().backward()
+    return _unsettled_arenas(opt) + _unsettled_arenas(overlapped)
 
 
 def _after_first_copy_out(patch: pytest.MonkeyPatch) -> None:
@@ -194,9 +224,10 @@ def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_harness_finds_every_ordering_step():
-    """Nine waits, eight data-ordering events and one host wait today: a new one counts too."""
+    """Twelve waits, thirteen data-ordering events and one host wait today: a new one counts
+    too."""
     kinds = [label.split(": ", 1)[1].split("(")[0] for label, _ in MUTANTS]
-    assert sorted(kinds) == ["event.synchronize"] + ["streams.record"] * 8 + ["streams.wait"] * 9
+    assert sorted(kinds) == ["event.synchronize"] + ["streams.record"] * 13 + ["streams.wait"] * 12
 
 
 @pytest.mark.no_stream_check  # it runs its own checker

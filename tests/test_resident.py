@@ -1,0 +1,131 @@
+"""OffloadAdamW(resident=...): part of the state stays on the device and is never copied.
+
+Run on the staged pipeline (``force_staging=True``), where the CPU stands in for the device and
+the stream-ordering checker (on for every test) sees the resident buffers as device memory.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same, clone_params, make_params, step_together
+
+from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim import resident as resident_module
+
+SHAPES = [(64, 3), (100,), (64, 5), (7,), (640,)]  # 192, 100, 320, 7, 640 elements
+STATE = 8 * (192 + 100 + 320 + 7 + 640)
+
+
+def staged(params, **kwargs) -> OffloadAdamW:
+    return OffloadAdamW(params, lr=0.05, force_staging=True, chunk_size=128, **kwargs)
+
+
+@pytest.mark.parametrize("resident", [0.0, 0.3, 0.99, 1.0, 4000])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_bit_identical_to_torch_whatever_the_share(stream_order, resident, amsgrad):
+    params = make_params(SHAPES)
+    reference = clone_params(params)
+    ours = staged(params, resident=resident, amsgrad=amsgrad)
+    theirs = torch.optim.AdamW(reference, lr=0.05, amsgrad=amsgrad, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    step_together([ours, theirs], [params, reference], generator, 4, skip=lambda i: i == 3)
+    stream_order.expect_none()
+    assert_same(params, reference)
+    saved = ours.state_dict()["state"]
+    assert sorted(saved) == [0, 1, 2, 4]  # parameter 3 never had a gradient
+    for index in saved:
+        r = reference[index]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_same([saved[index][key]], [theirs.state[r][key]])
+
+
+def test_whole_parameters_from_the_start_stay_resident_and_are_not_copied():
+    params = make_params(SHAPES)
+    opt = staged(params, resident=0.4)  # 0.4 * 1259 elements: the first two parameters fit
+    generator = torch.Generator().manual_seed(1)
+    step_together([opt], [params], generator, 1)
+    assert opt.memory_stats()["resident_bytes"] == 0  # chosen from the second step on
+    step_together([opt], [params], generator, 2)
+    assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100)
+    moved = opt.last_step.resolve()
+    assert moved.bytes_in == moved.bytes_out == STATE - 8 * (192 + 100)
+
+
+def test_bf16_parameters_with_master_copies(stream_order):
+    params = make_params(SHAPES, dtype=torch.bfloat16)
+    twins = clone_params(params)
+    everything, nothing = staged(params, resident=1.0), staged(twins)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        step_together([everything, nothing], [params, twins], generator, 1)
+    stream_order.expect_none()
+    assert_same(params, twins)
+    assert everything.memory_stats()["resident_bytes"] == everything.memory_stats()["state_bytes"]
+
+
+def test_checkpoints_are_the_same_whatever_the_share_and_load_into_any_share(stream_order):
+    params = make_params(SHAPES)
+    twins = clone_params(params)
+    kept, offloaded = staged(params, resident=0.6), staged(twins)
+    generator = torch.Generator().manual_seed(3)
+    step_together([kept, offloaded], [params, twins], generator, 3)
+    saved, expected = kept.state_dict(), offloaded.state_dict()
+    for index, entry in expected["state"].items():
+        assert_same(list(saved["state"][index].values()), list(entry.values()))
+    # Offloaded state into a resident share, and the other way, then both train on alike.
+    kept.load_state_dict(copy.deepcopy(expected))
+    offloaded.load_state_dict(copy.deepcopy(saved))
+    reference = clone_params(params)
+    torch_opt = torch.optim.AdamW(reference, lr=0.05, fused=True)
+    torch_opt.load_state_dict(copy.deepcopy(expected))
+    step_together([kept, offloaded, torch_opt], [params, twins, reference], generator, 2)
+    stream_order.expect_none()
+    assert_same(params, reference)
+    assert_same(twins, reference)
+
+
+def test_auto_keeps_what_is_free_after_the_first_step_less_a_margin(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(resident_module, "free_device_memory", lambda device: 2 * gib + 3000)
+    monkeypatch.setattr(resident_module, "total_memory", lambda device: 10 * gib)
+    params = make_params(SHAPES)
+    opt = staged(params, resident="auto")
+    step_together([opt], [params], torch.Generator().manual_seed(4), 2)
+    # 3000 bytes free beyond the 2 GiB margin: the first parameter (1536 B) and the second
+    # (800 B) fit, the third (2560 B) does not.
+    assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100)
+
+
+def test_resident_with_overlap(stream_order):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 8))
+    twin = copy.deepcopy(model)
+    opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
+    opt.overlap_with(model)
+    torch_opt = torch.optim.AdamW(twin.parameters(), fused=True)
+    x = torch.ones(3, 8)
+    for _ in range(4):
+        for net, optimizer in ((model, opt), (twin, torch_opt)):
+            net(x).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    model.state_dict()
+    stream_order.expect_none()
+    assert opt.memory_stats()["resident_bytes"] > 0
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("resident", "error", "message"),
+    [
+        (1.5, ValueError, r"share of the state must be in \[0, 1\]"),
+        (-1, ValueError, "bytes must be >= 0"),
+        ("half", TypeError, "'auto' or None"),
+        (True, TypeError, "'auto' or None"),
+    ],
+)
+def test_bad_resident_arguments_are_refused(resident, error, message):
+    with pytest.raises(error, match=message):
+        OffloadAdamW(make_params(), resident=resident)
