@@ -56,6 +56,7 @@ class TinyModel(OffloadOptimizerMixin, pl.LightningModule):
         nan_at_batch: int = -1,
         force_staging: bool = False,
         overlap_step: bool = False,
+        offload_resident: float | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()

@@ -25,6 +25,7 @@ NAMES = {
     "offload/step_ms",
     "offload/step_ms_max",
     "offload/memory_saved_bytes",
+    "offload/resident_bytes",
     "offload/host_bytes",
     "offload/host_bytes_all_ranks",
     "offload/host_pinned",
@@ -55,6 +56,19 @@ def test_metrics_reach_the_logger_at_its_cadence(tmp_path):
         assert float(row["offload/step_ms_max"]) >= float(row["offload/step_ms"]) > 0
     # Each step moves the whole state in and out once.
     assert float(rows[-1]["offload/total_moved_bytes"]) == 6 * 2 * state_bytes
+
+
+def test_resident_and_offloaded_bytes_are_logged(tmp_path):
+    model = TinyModel(force_staging=True, offload_resident=0.9, overlap_step=True)
+    rows = logged_rows(tmp_path, model, callbacks=[OffloadMonitor(summary=False)])
+    (opt,) = model.trainer.optimizers
+    stats = opt.memory_stats()
+    assert 0 < stats["resident_bytes"] < stats["state_bytes"]
+    last = rows[-1]
+    assert float(last["offload/resident_bytes"]) == stats["resident_bytes"]
+    assert (
+        float(last["offload/memory_saved_bytes"]) == stats["state_bytes"] - stats["resident_bytes"]
+    )
 
 
 def test_direct_cpu_path_reports_no_copies(tmp_path):

@@ -75,6 +75,8 @@ class OffloadOptimizerMixin:
     ``offload_chunk_size``    4Mi           :class:`OffloadAdamW` ``chunk_size``
     ``offload_pin_memory``    None          :class:`OffloadAdamW` ``pin_memory``
     ``offload_enabled``       True          False gives plain ``torch.optim.AdamW`` behaviour
+    ``offload_resident``      None          :class:`OffloadAdamW` ``resident``: state kept on
+                                            the device (a share, bytes or ``"auto"``)
     ``overlap_step``          False         let the step overlap the next forward pass
                                             (:meth:`OffloadAdamW.overlap_with` this module)
     ========================  ============  ================================================
@@ -109,6 +111,7 @@ class OffloadOptimizerMixin:
         "offload_chunk_size": None,
         "offload_pin_memory": None,
         "offload_enabled": True,
+        "offload_resident": None,
         "overlap_step": False,
     }
 
@@ -159,6 +162,8 @@ class OffloadOptimizerMixin:
             "pin_memory": self.offload_hparam("offload_pin_memory"),
             "enabled": self.offload_hparam("offload_enabled"),
         }
+        if self.offload_hparam("offload_resident") is not None:
+            args["resident"] = self.offload_hparam("offload_resident")
         if self.offload_hparam("offload_chunk_size") is not None:
             args["chunk_size"] = self.offload_hparam("offload_chunk_size")
         return args

@@ -42,6 +42,7 @@ class OffloadMonitor(Callback):
     ``h2d_gbps`` / ``d2h_gbps``   GB/s    achieved copy bandwidth (bytes / copy time)
     ``step_ms`` / ``step_ms_max``  ms     optimizer step time, mean / max since the last log
     ``memory_saved_bytes``        bytes   optimizer state held on the host instead of the device
+    ``resident_bytes``            bytes   optimizer state kept on the device (``resident=``)
     ``host_bytes``                bytes   host memory the state buffers occupy (this rank)
     ``host_bytes_all_ranks``      bytes   the same summed over all ranks (per node when one node)
     ``host_pinned``               0/1     whether those buffers are page-locked (0 after a fallback)
@@ -119,7 +120,7 @@ class OffloadMonitor(Callback):
         self._fold_pending()
         pl_module.log_dict(self._compute_and_reset(pl_module), on_step=True, on_epoch=False)
         if self.prog_bar:
-            saved = sum(opt.memory_stats()["state_bytes"] for opt in self._optimizers)
+            saved = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
             pl_module.log(f"{self.prefix}memory_saved_gb", saved / 1e9, prog_bar=True)
 
     @staticmethod
@@ -170,7 +171,8 @@ class OffloadMonitor(Callback):
         self._interval.to("cpu")
         p = self.prefix
         logged = {
-            f"{p}memory_saved_bytes": float(sum(m["state_bytes"] for m in memory)),
+            f"{p}memory_saved_bytes": float(sum(_saved_bytes(m) for m in memory)),
+            f"{p}resident_bytes": float(sum(m["resident_bytes"] for m in memory)),
             f"{p}host_bytes": host_bytes,
             f"{p}host_bytes_all_ranks": float(host_bytes_all_ranks),
             f"{p}host_pinned": float(all(m["pinned"] for m in memory)),
@@ -199,7 +201,7 @@ class OffloadMonitor(Callback):
         monitor (resumes included). GB = 1e9 bytes, as in the metric names."""
         t = self.totals
         per_step = _per_step(t)
-        saved = sum(opt.memory_stats()["state_bytes"] for opt in self._optimizers)
+        saved = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
         head = (
             f"OffloadMonitor: {saved / 1e9:.3f} GB of optimizer state kept in host memory "
             f"(this rank); {int(t['steps'])} optimizer steps so far, "
@@ -253,6 +255,11 @@ class IntervalTotals(Metric):
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.sums, self.slowest, self.host_bytes
+
+
+def _saved_bytes(stats: dict[str, Any]) -> int:
+    """Optimizer state an OffloadAdamW holds on the host rather than on the device."""
+    return int(stats["state_bytes"]) - int(stats["resident_bytes"])
 
 
 def _per_step(sums: dict[str, float]) -> dict[str, float]:
