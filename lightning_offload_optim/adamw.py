@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -155,6 +156,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._interrupted: str | None = None
         self._overlap: ForwardOverlap | None = None
         self._resident_for: tuple[int, ...] = ()
+        self._next_chunks: list[Chunk] = []
         self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -238,6 +240,7 @@ class OffloadAdamW(torch.optim.AdamW):
             self._pipeline.join_updates()
             raise
         if overlap is not None:
+            self._next_chunks = chunks  # the next step's first copies start during its backward
             for chunk, event in zip(chunks, self._pipeline.updated, strict=True):
                 if event is not None:
                     for seg in chunk.segments:
@@ -262,7 +265,7 @@ class OffloadAdamW(torch.optim.AdamW):
         """
         if self._overlap is not None:
             self._overlap.remove()
-        self._overlap = ForwardOverlap(module, self._pipeline)
+        self._overlap = ForwardOverlap(module, self._pipeline, weakref.WeakMethod(self._prefetch))
         self._plans.clear()
         return self._overlap
 
@@ -282,6 +285,11 @@ class OffloadAdamW(torch.optim.AdamW):
         self._pipeline.set_resident(dict(zip(arenas, prefixes, strict=True)))
         self._resident_for = key
         self._plans.clear()
+
+    def _prefetch(self) -> None:
+        """Queue the copy-in of the last step's first chunks (called after a forward pass)."""
+        if self._interrupted is None and self._next_chunks:
+            self._pipeline.prefetch(self._next_chunks)
 
     def _overlapping(self) -> ForwardOverlap | None:
         overlap = self._overlap
@@ -376,7 +384,7 @@ class OffloadAdamW(torch.optim.AdamW):
             )
         self._pipeline.wait_host()
         slot.relayout(param)
-        self._pipeline.invalidate_resident()
+        self._pipeline.host_written()
 
     def _chunk_limit(self, arena: Arena) -> int:
         """Chunks bound the staging and gradient-scratch memory; arenas updated in place with
@@ -609,7 +617,7 @@ class OffloadAdamW(torch.optim.AdamW):
             _copy_all(self._loaded_copies(matched, slots))
             copies = []
         then()  # torch's own load first: it may still refuse, and it leaves the buffers alone
-        self._pipeline.invalidate_resident()  # resident state is reloaded from the host
+        self._pipeline.host_written()  # resident state is reloaded from the host
         try:
             _copy_all(copies)
         except BaseException as error:

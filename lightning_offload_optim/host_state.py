@@ -208,12 +208,13 @@ def _pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> tuple
 def _release_pinned(
     pointers: list[int], in_flight: list[torch.Event | None], keep_alive: list[Tensor]
 ) -> None:
-    """Finalizer: wait for the last copy into the buffers, then unregister them.
+    """Finalizer: wait for the last copies into and out of the buffers, then unregister them.
 
     ``keep_alive`` holds the buffers, so their memory outlives the registration.
     """
-    if in_flight[0] is not None:
-        in_flight[0].synchronize()
+    for event in in_flight:
+        if event is not None:
+            event.synchronize()
     for pointer in pointers:
         _cuda_host_unregister(pointer)
     keep_alive.clear()
@@ -245,7 +246,7 @@ class Arena:
         self.pinned = pin and self.numel > 0
         #: Elements from the start kept resident on the device (set by the pipeline).
         self.resident_numel = 0
-        self._in_flight: list[torch.Event | None] = [None]
+        self._in_flight: list[torch.Event | None] = [None, None]  # last write, last read
         self.buffers: dict[str, Tensor] = {}
         if not self.pinned:
             for key in keys:
@@ -267,6 +268,10 @@ class Arena:
     def written_by(self, event: torch.Event | None) -> None:
         """Note the copy that last writes into the buffers (waited for before they are freed)."""
         self._in_flight[0] = event
+
+    def read_by(self, event: torch.Event | None) -> None:
+        """Note a copy out of the buffers queued ahead of a step (waited for before freeing)."""
+        self._in_flight[1] = event
 
     @property
     def allocated_bytes(self) -> int:

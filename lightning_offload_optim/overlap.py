@@ -9,19 +9,23 @@ parameters after their update, on the device (the host never blocks):
   streams); it runs before other pre-hooks, FSDP2's all-gather among them;
 - the root module's pre-hook also waits for optimized parameters that no module of the tree
   owns (used functionally), and its ``state_dict`` pre-hook waits for all (checkpoints);
-- ``zero_grad()``, the next ``step()``, ``load_state_dict`` and reads of the host state wait
-  for everything (the optimizer calls :meth:`ForwardOverlap.wait_all` or the pipeline does);
+- ``zero_grad(set_to_none=False)``, ``load_state_dict`` and reads of the host state wait for
+  everything (the optimizer calls :meth:`ForwardOverlap.wait_all` or the pipeline does), and
+  the next ``step()`` queues its updates after these on the same stream;
 - anything else that reads parameters outside a forward pass must call
   ``optimizer.wait_for_updates()`` first.
 
 The first forward pass records the order in which parameters are first used; later steps
-update chunks in that order, so the parameters the forward needs first are ready first.
+update chunks in that order, so the parameters the forward needs first are ready first. After
+each forward pass of the module the copies of the next step's first chunks are queued, so they
+run during the backward pass.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,8 +41,14 @@ class ForwardOverlap:
     must not keep the optimizer's host buffers alive with it.
     """
 
-    def __init__(self, module: nn.Module, pipeline: StagingPipeline) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        pipeline: StagingPipeline,
+        prefetch: weakref.WeakMethod[Callable[[], None]] | None = None,
+    ) -> None:
         self._pipeline = pipeline
+        self._prefetch = prefetch
         self.removed = False
         #: Per parameter, the event after which its latest update is done (and its device).
         self.pending: dict[Tensor, tuple[Any, torch.device]] = {}
@@ -57,6 +67,12 @@ class ForwardOverlap:
                     )
                 )
         self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
+        self._handles.append(module.register_forward_hook(lambda *_: self._after_forward()))
+
+    def _after_forward(self) -> None:
+        prefetch = self._prefetch() if self._prefetch is not None else None
+        if prefetch is not None:
+            prefetch()
 
     def _before_forward(self, params: list[Tensor], root: bool) -> None:
         if len(self.order) < len(self._owned):  # until every parameter has been seen

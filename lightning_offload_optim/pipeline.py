@@ -131,6 +131,9 @@ class StagingPipeline:
         self._host_ready: dict[torch.device, torch.Event | None] = {}
         self._free: dict[tuple[torch.device, torch.dtype], list[torch.Event | None]] = {}
         self._resident: weakref.WeakKeyDictionary[Arena, _Resident] = weakref.WeakKeyDictionary()
+        # Copy-ins queued ahead of a step, by chunk position: (arena id, start, stop), event.
+        self._prefetched: dict[int, tuple[tuple[int, int, int], torch.Event | None]] = {}
+        self._prefetch_record = StepRecord()
         self.last_record: StepRecord | None = None
         self.updated: list[torch.Event | None] = []
 
@@ -197,10 +200,40 @@ class StagingPipeline:
             for t in r.buffers.values()
         )
 
-    def invalidate_resident(self) -> None:
-        """The host buffers were written (a load): reload resident state from them."""
+    def host_written(self) -> None:
+        """The host buffers were written (a load): reload resident state from them, and drop
+        copies queued ahead of the step."""
         for resident in self._resident.values():
             resident.valid = False
+        self._prefetched = {}
+
+    def prefetch(self, chunks: Sequence[Chunk]) -> None:
+        """Queue now the copy-in of the first chunks of the next step (as many as there are
+        staging buffers, with buffers already allocated), e.g. while the backward pass runs, so
+        the link is busy before the step begins. The state does not depend on the gradients;
+        :meth:`run` uses these copies for the same chunks in the same places."""
+        if self._prefetched:
+            return  # queued already (another forward pass before the same step)
+        record = StepRecord()
+        for index, chunk in enumerate(chunks[: self.num_buffers]):
+            buffers = self._buffers.get((chunk.arena.device, chunk.arena.dtype), [])
+            keys = chunk.arena.keys
+            if (
+                chunk.resident
+                or not self.stages(chunk.arena.device)
+                or len(buffers) < self.num_buffers
+                or any(
+                    k not in buffers[index] or buffers[index][k].numel() < chunk.numel for k in keys
+                )
+            ):
+                continue
+            staged = {key: buffers[index][key][: chunk.numel] for key in keys}
+            # The last copy-out into this chunk's host range used the same buffer (the chunks
+            # are the last step's, in the same places): the load's wait for it covers it.
+            loaded = self._load(chunk, staged, index, record)
+            chunk.arena.read_by(loaded)
+            self._prefetched[index] = ((id(chunk.arena), chunk.start, chunk.stop), loaded)
+        self._prefetch_record = record
 
     def _staged_keys(self, chunk: Chunk) -> tuple[str, ...]:
         """The buffers a chunk needs: its state keys when staged (not when resident), and a
@@ -222,7 +255,8 @@ class StagingPipeline:
         which its parameters are updated (``None`` where it ran in program order). Returns the
         step's :class:`StepRecord` (also kept as :attr:`last_record`).
         """
-        record = StepRecord()
+        record, self._prefetch_record = self._prefetch_record, StepRecord()
+        prefetched, self._prefetched = self._prefetched, {}
         started = time.perf_counter()
         staged = {chunk.arena.device for chunk in chunks if self.stages(chunk.arena.device)}
         begins, computes = {}, {}
@@ -250,8 +284,15 @@ class StagingPipeline:
                     self.updated.append(self._run_resident(chunk, views, update, record, compute))
                 elif is_staged:
                     compute = computes[chunk.arena.device]
+                    ahead = prefetched.get(index)
+                    loaded = (
+                        ahead[1]
+                        if ahead is not None
+                        and ahead[0] == (id(chunk.arena), chunk.start, chunk.stop)
+                        else self._load(chunk, views, number, record)
+                    )
                     self.updated.append(
-                        self._run_staged(chunk, views, update, number, record, compute)
+                        self._run_staged(chunk, views, update, number, record, compute, loaded)
                     )
                 else:
                     update(chunk, views | chunk.host_views())
@@ -278,19 +319,14 @@ class StagingPipeline:
         number: int,
         record: StepRecord,
         compute: torch.Stream | None,
+        loaded: torch.Event | None,
     ) -> torch.Event | None:
-        """Load, update on ``compute`` and write back one chunk; the event after its update."""
+        """Update on ``compute`` one chunk loaded (``loaded``) into staging buffer ``number``,
+        and write it back; the event after its update."""
         device = chunk.arena.device
         streams = self._streams[device]
         free = self._free.setdefault((device, chunk.arena.dtype), [None] * self.num_buffers)
         host = chunk.host_views()
-        nbytes = chunk.numel * chunk.arena.dtype.itemsize * len(host)
-        with streams.on(streams.copy_in):
-            streams.wait(streams.copy_in, free[number])  # the last copy-out from this buffer
-            with record.span(COPY_IN, streams, streams.copy_in):
-                for key, view in host.items():
-                    staged[key].copy_(view, non_blocking=True)
-            loaded = streams.record(streams.copy_in)
         streams.wait(compute, loaded)
         with streams.on(compute):
             update(chunk, staged)
@@ -302,9 +338,26 @@ class StagingPipeline:
                     view.copy_(staged[key], non_blocking=True)
             free[number] = self._host_ready[device] = streams.record(streams.copy_out)
             chunk.arena.written_by(free[number])
-        record.bytes_in += nbytes
-        record.bytes_out += nbytes
+        record.bytes_out += chunk.numel * chunk.arena.dtype.itemsize * len(host)
         return computed
+
+    def _load(
+        self, chunk: Chunk, staged: dict[str, Tensor], number: int, record: StepRecord
+    ) -> torch.Event | None:
+        """Queue the copy of a chunk's host state into staging buffer ``number``; the event
+        after it."""
+        device = chunk.arena.device
+        streams = self._streams[device]
+        free = self._free.setdefault((device, chunk.arena.dtype), [None] * self.num_buffers)
+        host = chunk.host_views()
+        with streams.on(streams.copy_in):
+            streams.wait(streams.copy_in, free[number])  # the last copy-out from this buffer
+            with record.span(COPY_IN, streams, streams.copy_in):
+                for key, view in host.items():
+                    staged[key].copy_(view, non_blocking=True)
+            loaded = streams.record(streams.copy_in)
+        record.bytes_in += chunk.numel * chunk.arena.dtype.itemsize * len(host)
+        return loaded
 
     def _run_resident(
         self,
@@ -382,6 +435,9 @@ class StagingPipeline:
         host buffers; order the caller's streams after every queued update (on the device)."""
         self._flush_resident()
         self.join_updates()
+        for _, loaded in self._prefetched.values():  # early copies still reading them
+            if loaded is not None:
+                loaded.synchronize()
         for event in self._host_ready.values():
             if event is not None:
                 event.synchronize()

@@ -8,6 +8,8 @@ checker: the update on a side stream, the forward on the current stream.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import assert_same
@@ -151,4 +153,44 @@ def test_removed_overlap_steps_in_order_again(stream_order):
     for p in model.parameters():
         p.detach().clone()  # read with no wait: must be ordered by the synchronous step
     stream_order.expect_none()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_the_next_steps_first_copies_start_after_the_forward(stream_order):
+    """Queued by the forward's end (they do not depend on the gradients), used by the step,
+    each chunk moved once."""
+    model, optimizer = overlapped()
+    train(model, optimizer, 1)
+    pipeline = optimizer._pipeline
+    loss = model(torch.zeros(2, 3, dtype=torch.long)).sum()
+    assert sorted(pipeline._prefetched) == [0, 1]  # two staging buffers
+    loss.backward()
+    optimizer.step()
+    assert pipeline._prefetched == {}
+    moved = optimizer.last_step.resolve()
+    assert moved.bytes_in == moved.bytes_out == optimizer.memory_stats()["state_bytes"]
+    stream_order.expect_none()
+
+
+def test_a_load_between_the_forward_and_the_step_discards_the_early_copies(stream_order):
+    model, optimizer = overlapped()
+    reference = Net()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    train(model, optimizer, 2)
+    train(reference, torch_opt, 2)
+    saved = copy.deepcopy(optimizer.state_dict())
+    train(model, optimizer, 1)  # moves the state on
+    tokens = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(9))
+    loss = model(tokens).logsumexp(-1).mean()  # queues copies of the moved-on state
+    optimizer.load_state_dict(saved)
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+            p.copy_(r)
+    loss = model(tokens).logsumexp(-1).mean()
+    loss.backward()
+    optimizer.step()
+    reference(tokens).logsumexp(-1).mean().backward()
+    torch_opt.step()
+    stream_order.expect_none()
+    optimizer.wait_for_updates()
     assert_same(list(model.parameters()), list(reference.parameters()))

@@ -128,8 +128,8 @@ def scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def overlap_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Steps that overlap the next forward (``overlap_with``): the update waits for the
     backward's gradients, each layer's forward for its parameters, ``module.state_dict()`` and
-    ``zero_grad(set_to_none=False)`` for all updates, also after a step interrupted in its
-    second chunk's update."""
+    ``zero_grad(set_to_none=False)`` for all updates, a load for the copies a forward queued
+    ahead of the next step, also after a step interrupted in its second chunk's update."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
     opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)
     opt.overlap_with(model)
@@ -147,6 +147,8 @@ def overlap_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         tensor.clone()
     step()
     opt.zero_grad(set_to_none=False)
+    model(x)  # queues the next step's first copies, which a load must wait for
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     with monkeypatch.context() as patch:
         _inside_second_update(patch)
         with pytest.raises(KeyboardInterrupt):
@@ -224,10 +226,14 @@ def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_harness_finds_every_ordering_step():
-    """Twelve waits, thirteen data-ordering events and one host wait today: a new one counts
+    """Twelve waits, thirteen data-ordering events and two host waits today: a new one counts
     too."""
     kinds = [label.split(": ", 1)[1].split("(")[0] for label, _ in MUTANTS]
-    assert sorted(kinds) == ["event.synchronize"] + ["streams.record"] * 13 + ["streams.wait"] * 12
+    assert sorted(kinds) == (
+        ["event.synchronize", "loaded.synchronize"]
+        + ["streams.record"] * 13
+        + ["streams.wait"] * 12
+    )
 
 
 @pytest.mark.no_stream_check  # it runs its own checker
