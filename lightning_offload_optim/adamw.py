@@ -7,6 +7,7 @@ each chunk to the one AdamW update in :mod:`lightning_offload_optim.functional`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import warnings
 import weakref
@@ -221,9 +222,13 @@ class OffloadAdamW(torch.optim.AdamW):
             self._update_chunk(chunk, views, active, device_steps, hyper)
 
         overlap = self._overlapping()
-        if overlap is not None:  # the update reads gradients after step() returns
+        if overlap is not None:  # the update reads these after step() returns
             for a in active:
                 self._pipeline.used_by_update(a.flat_grad)
+            for step in {s.untyped_storage().data_ptr(): s for s in device_steps}.values():
+                self._pipeline.used_by_update(step)  # the stacked copies of the step counts
+            # A tensor lr may be changed (a scheduler's fill_) before the update reads it.
+            hyper = [_snapshot_lr(h, self._pipeline) for h in hyper]
         # Everything is checked and allocated: from here on the update runs.
         try:
             if new_slots:
@@ -241,10 +246,12 @@ class OffloadAdamW(torch.optim.AdamW):
             raise
         if overlap is not None:
             self._next_chunks = chunks  # the next step's first copies start during its backward
-            for chunk, event in zip(chunks, self._pipeline.updated, strict=True):
-                if event is not None:
-                    for seg in chunk.segments:
-                        overlap.updated(active[seg.index].param, event, chunk.arena.device)
+            overlap.stepped(
+                (active[seg.index].param, event, chunk.arena.device)
+                for chunk, event in zip(chunks, self._pipeline.updated, strict=True)
+                if event is not None
+                for seg in chunk.segments
+            )
         return loss
 
     def overlap_with(self, module: torch.nn.Module) -> ForwardOverlap:
@@ -266,6 +273,8 @@ class OffloadAdamW(torch.optim.AdamW):
         if self._overlap is not None:
             self._overlap.remove()
         self._overlap = ForwardOverlap(module, self._pipeline, weakref.WeakMethod(self._prefetch))
+        # The module's hooks must not outlive this optimizer (nor keep its staging buffers).
+        weakref.finalize(self, self._overlap.remove_hooks)
         self._plans.clear()
         return self._overlap
 
@@ -279,7 +288,8 @@ class OffloadAdamW(torch.optim.AdamW):
         for slot in self._host.slots.values():
             if id(slot.arena) in ends:
                 ends[id(slot.arena)].append(slot.offset + slot.layout.numel)
-        budget = budget_bytes(self.resident, arenas)
+        # Resident buffers held now are freed by the new choice: "auto" may count them.
+        budget = budget_bytes(self.resident, arenas, held=self._pipeline.resident_bytes)
         prefixes = resident_prefixes(arenas, [sorted(ends[id(a)]) for a in arenas], budget)
         self._pipeline.wait_host()  # resident state newer than the host's is written back
         self._pipeline.set_resident(dict(zip(arenas, prefixes, strict=True)))
@@ -353,7 +363,7 @@ class OffloadAdamW(torch.optim.AdamW):
         overlap = self._overlapping()
         if new and overlap is not None and overlap.order:  # lay state out in forward order
             last = len(overlap.order)
-            new.sort(key=lambda request: overlap.order.get(request[0], last))
+            new.sort(key=lambda request: overlap.rank(request[0], last))
         new_slots = self._host.allocate(new) if new else {}
         active = []
         for param, part, g, slot, step in found:
@@ -397,15 +407,18 @@ class OffloadAdamW(torch.optim.AdamW):
         """The chunk plan for this set of active parameters, from a small LRU cache."""
         overlap = self._overlapping()
         order = overlap.order if overlap is not None else {}
-        key = (*(id(a.slot) for a in active), len(order))
+        early = overlap.early if overlap is not None else set()
+        key = (*(id(a.slot) for a in active), len(order), len(early))
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)
             return plan
         plan = plan_chunks([a.slot for a in active], self._chunk_limit)
-        if order:  # update first what the next forward pass uses first
+        if overlap is not None and (order or early):  # first what the next forward uses first
             last = len(order)
-            plan.sort(key=lambda c: min(order.get(active[s.index].param, last) for s in c.segments))
+            plan.sort(
+                key=lambda c: min(overlap.rank(active[s.index].param, last) for s in c.segments)
+            )
         if cache:
             self._plans[key] = plan
             if len(self._plans) > PLAN_CACHE_SIZE:
@@ -730,6 +743,7 @@ class OffloadAdamW(torch.optim.AdamW):
             super().__setstate__(state)  # torch's load_state_dict installing the loaded state
             return
         state = dict(state)
+        state.setdefault("resident", None)  # pickled before the setting existed
         offloaded = state.pop("offloaded", [])
         interrupted = state.pop("interrupted", None)
         super().__setstate__(state)
@@ -792,6 +806,16 @@ class OffloadAdamW(torch.optim.AdamW):
             "staging_bytes": self._pipeline.staging_bytes,
             "resident_bytes": self._pipeline.resident_bytes,
         }
+
+
+def _snapshot_lr(hyper: Hyperparameters, pipeline: StagingPipeline) -> Hyperparameters:
+    """``hyper`` with a tensor lr copied now, on the caller's stream."""
+    lr = hyper.lr
+    if not isinstance(lr, Tensor):
+        return hyper
+    snapshot = lr.clone()
+    pipeline.used_by_update(snapshot)
+    return dataclasses.replace(hyper, lr=snapshot)
 
 
 def _name(error: BaseException) -> str:

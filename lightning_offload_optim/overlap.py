@@ -39,6 +39,14 @@ class ForwardOverlap:
     """The forward hooks of one module for one optimizer's pipeline, and the events they wait
     for. It holds the pipeline, not the optimizer: the module's hooks keep it alive, and they
     must not keep the optimizer's host buffers alive with it.
+
+    A module's hook waits for the parameters it owns directly, and an FSDP2 unit's for every
+    parameter of the unit (its all-gather reads them all). Parameters that no hook reached during
+    the forward passes before a step (a parent reads them, as ``nn.MultiheadAttention`` reads
+    ``out_proj.weight``; the root's own when only a child is called, as a Lightning
+    ``training_step`` does; parameters outside the tree) may be read before any hook runs: they
+    are updated first, and the caller's stream waits for them as soon as the step is queued.
+    Before a forward pass has been seen, it waits for everything.
     """
 
     def __init__(
@@ -54,17 +62,18 @@ class ForwardOverlap:
         self.pending: dict[Tensor, tuple[Any, torch.device]] = {}
         #: Parameters by first use in a forward pass, once one has run.
         self.order: dict[Tensor, int] = {}
-        self._owned: set[Tensor] = set()
+        self._owned = {p for p in module.parameters()}
+        self._reached: set[int] = set()  # ids of parameters whose hook ran since the last step
+        self.early: set[int] = set()  # ids of parameters no hook reached: updated first
         self._handles = []
         for child in module.modules():
             params = list(child.parameters(recurse=False))
-            self._owned.update(params)
-            if params or child is module:
-                hook = functools.partial(self._before_forward, params, child is module)
+            if _is_fsdp2_unit(child):
+                params = _unit_parameters(child)
+            if params:
+                hook = functools.partial(self._before_forward, params)
                 self._handles.append(
-                    child.register_forward_pre_hook(
-                        lambda _m, _args, hook=hook: hook(), prepend=True
-                    )
+                    child.register_forward_pre_hook(lambda _m, _a, hook=hook: hook(), prepend=True)
                 )
         self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
         self._handles.append(module.register_forward_hook(lambda *_: self._after_forward()))
@@ -74,39 +83,73 @@ class ForwardOverlap:
         if prefetch is not None:
             prefetch()
 
-    def _before_forward(self, params: list[Tensor], root: bool) -> None:
+    def _before_forward(self, params: list[Tensor]) -> None:
         if len(self.order) < len(self._owned):  # until every parameter has been seen
             for param in params:
                 self.order.setdefault(param, len(self.order))
+        self._reached.update(id(p) for p in params)
         if not self.pending:
             return
-        needed = [p for p in params if p in self.pending]
-        if root:  # optimized parameters no module of the tree owns
-            needed += [p for p in self.pending if p not in self._owned]
-        self._wait(needed)
+        self._wait(p for p in params if p in self.pending)
 
     def _wait(self, params: Iterable[Tensor]) -> None:
         seen = set()
         for param in params:
-            event, device = self.pending[param]
-            if id(event) not in seen:
+            event, device = self.pending.get(param, (None, None))
+            if event is not None and id(event) not in seen:
                 seen.add(id(event))
                 self._pipeline.caller_waits(event, device)
 
-    def updated(self, param: Tensor, event: Any, device: torch.device) -> None:
-        """Note that ``param``'s latest update is done after ``event``."""
-        self.pending[param] = (event, device)
+    def rank(self, param: Tensor, last: int) -> int:
+        """Where ``param``'s update goes: parameters read before any hook first, then by first
+        use in the forward pass, then the rest."""
+        return -1 if id(param) in self.early else self.order.get(param, last)
+
+    def stepped(self, updates: Iterable[tuple[Tensor, Any, torch.device]]) -> None:
+        """A step queued these updates (parameter, event after its update, device); order the
+        caller's stream after those of parameters no hook reaches."""
+        self.pending = {param: (event, device) for param, event, device in updates}
+        reached, self._reached = self._reached, set()
+        if not reached:  # no forward pass seen: nothing is known to wait later
+            self.wait_all()
+            return
+        unreached = [p for p in self.pending if id(p) not in reached]
+        self.early = {id(p) for p in unreached}
+        self._wait(unreached)
+        self._first = True
 
     def wait_all(self) -> None:
         """Order the current streams after every update queued so far."""
         self._pipeline.join_updates()
         self.pending.clear()
 
-    def remove(self) -> None:
-        """Wait for the queued updates and remove the hooks; the optimizer's steps are then
-        synchronous again."""
-        self.wait_all()
+    def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self.removed = True
+
+    def remove(self) -> None:
+        """Wait for the queued updates and remove the hooks; the optimizer's steps are then
+        synchronous again."""
+        self.wait_all()
+        self.remove_hooks()
+
+
+def _is_fsdp2_unit(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _unit_parameters(unit: nn.Module) -> list[Tensor]:
+    """The parameters an FSDP2 unit all-gathers: its subtree's, less nested units'."""
+    nested = {
+        id(p)
+        for child in unit.modules()
+        if child is not unit and _is_fsdp2_unit(child)
+        for p in child.parameters()
+    }
+    return [p for p in unit.parameters() if id(p) not in nested]

@@ -215,25 +215,41 @@ class StagingPipeline:
         if self._prefetched:
             return  # queued already (another forward pass before the same step)
         record = StepRecord()
-        for index, chunk in enumerate(chunks[: self.num_buffers]):
-            buffers = self._buffers.get((chunk.arena.device, chunk.arena.dtype), [])
-            keys = chunk.arena.keys
-            if (
-                chunk.resident
-                or not self.stages(chunk.arena.device)
-                or len(buffers) < self.num_buffers
-                or any(
-                    k not in buffers[index] or buffers[index][k].numel() < chunk.numel for k in keys
-                )
+        seen: dict[tuple[torch.device, torch.dtype], int] = {}
+        for index, (chunk, number) in enumerate(zip(chunks, self._numbers(chunks), strict=True)):
+            if chunk.resident or not self.stages(chunk.arena.device):
+                continue
+            kind = (chunk.arena.device, chunk.arena.dtype)
+            seen[kind] = seen.get(kind, 0) + 1
+            buffers = self._buffers.get(kind, [])
+            if seen[kind] > self.num_buffers or len(buffers) <= number:
+                continue
+            if any(
+                k not in buffers[number] or buffers[number][k].numel() < chunk.numel
+                for k in chunk.arena.keys
             ):
                 continue
-            staged = {key: buffers[index][key][: chunk.numel] for key in keys}
+            staged = {key: buffers[number][key][: chunk.numel] for key in chunk.arena.keys}
             # The last copy-out into this chunk's host range used the same buffer (the chunks
             # are the last step's, in the same places): the load's wait for it covers it.
-            loaded = self._load(chunk, staged, index, record)
+            loaded = self._load(chunk, staged, number, record)
             chunk.arena.read_by(loaded)
             self._prefetched[index] = ((id(chunk.arena), chunk.start, chunk.stop), loaded)
         self._prefetch_record = record
+
+    def _numbers(self, chunks: Sequence[Chunk]) -> list[int]:
+        """The staging buffer set of each chunk: a kind's staged chunks take them in turn, so
+        a chunk loads while the one before it computes; other chunks use the next one's
+        gradient scratch (on the update's stream, in order)."""
+        counts: dict[tuple[torch.device, torch.dtype], int] = {}
+        numbers = []
+        for chunk in chunks:
+            kind = (chunk.arena.device, chunk.arena.dtype)
+            count = counts.get(kind, 0)
+            numbers.append(count % self.num_buffers)
+            if self.stages(chunk.arena.device) and not chunk.resident:
+                counts[kind] = count + 1
+        return numbers
 
     def _staged_keys(self, chunk: Chunk) -> tuple[str, ...]:
         """The buffers a chunk needs: its state keys when staged (not when resident), and a
@@ -271,11 +287,14 @@ class StagingPipeline:
             # allocated), and the host buffers may still be written by the last copy-out.
             streams.wait(streams.copy_in, streams.record(compute))
             streams.wait(streams.copy_in, self._host_ready.get(device))
+        copied: set[torch.device] = set()  # devices where staged chunks were copied
         try:
-            for index, chunk in enumerate(chunks):
+            for index, (chunk, number) in enumerate(
+                zip(chunks, self._numbers(chunks), strict=True)
+            ):
                 kind = (chunk.arena.device, chunk.arena.dtype)
                 is_staged = chunk.arena.device in staged
-                number = index % self.num_buffers if is_staged else 0
+                number = number if is_staged else 0
                 keys = self._staged_keys(chunk)
                 buffer = self._buffers[kind][number] if keys else {}
                 views = {key: buffer[key][: chunk.numel] for key in keys}
@@ -284,6 +303,7 @@ class StagingPipeline:
                     self.updated.append(self._run_resident(chunk, views, update, record, compute))
                 elif is_staged:
                     compute = computes[chunk.arena.device]
+                    copied.add(chunk.arena.device)
                     ahead = prefetched.get(index)
                     loaded = (
                         ahead[1]
@@ -303,8 +323,9 @@ class StagingPipeline:
         timed_on_device = False
         for device in staged:
             streams = self._streams[device]
-            if streams.is_async:
-                record.add_span(STEP, begins[device], streams.record(streams.copy_out, timing=True))
+            if streams.is_async:  # ends with the last copy-out, or the last resident update
+                last = streams.copy_out if device in copied else computes[device]
+                record.add_span(STEP, begins[device], streams.record(last, timing=True))
                 timed_on_device = True
         if not timed_on_device:
             record.add_seconds(STEP, time.perf_counter() - started)
@@ -377,7 +398,9 @@ class StagingPipeline:
                 with record.span(COPY_IN, streams, streams.copy_in):
                     for key, buffer in resident.buffers.items():
                         buffer.copy_(host[key][:numel], non_blocking=True)
-                streams.wait(compute, streams.record(streams.copy_in))
+                uploaded = streams.record(streams.copy_in)
+                streams.wait(compute, uploaded)
+                chunk.arena.read_by(uploaded)
             record.bytes_in += numel * chunk.arena.dtype.itemsize * len(host)
             resident.valid = True
         views = {key: b[chunk.start : chunk.stop] for key, b in resident.buffers.items()}

@@ -54,8 +54,9 @@ def total_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def budget_bytes(resident: Resident, arenas: Sequence[Arena]) -> int:
-    """The bytes of the state of ``arenas`` (those staged to a device) to keep resident."""
+def budget_bytes(resident: Resident, arenas: Sequence[Arena], held: int = 0) -> int:
+    """The bytes of the state of ``arenas`` (those staged to a device) to keep resident;
+    ``held``: resident bytes allocated now, which the new choice replaces."""
     if resident is None or not arenas:
         return 0
     if resident == "auto":
@@ -63,7 +64,7 @@ def budget_bytes(resident: Resident, arenas: Sequence[Arena]) -> int:
         if free is None:
             return 0
         margin = max(int(AUTO_MARGIN * total_memory(arenas[0].device)), AUTO_MARGIN_BYTES)
-        return max(0, free - margin)
+        return max(0, free + held - margin)
     if isinstance(resident, float):
         return int(resident * sum(a.numel * a.dtype.itemsize * len(a.keys) for a in arenas))
     return int(resident)

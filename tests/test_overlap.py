@@ -194,3 +194,73 @@ def test_a_load_between_the_forward_and_the_step_discards_the_early_copies(strea
     stream_order.expect_none()
     optimizer.wait_for_updates()
     assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+class Attention(nn.Module):
+    """``nn.MultiheadAttention`` reads ``out_proj.weight`` itself (out_proj's forward never
+    runs), and the root's own parameter is read before any module's forward, as in a Lightning
+    ``training_step`` calling ``self.net(x * self.scale)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.scale = nn.Parameter(torch.ones(16))
+
+
+def attention_steps(model: Attention, optimizer, steps: int) -> None:
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(2, 5, 16, generator=generator)
+        model.net(x * model.scale).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_parameters_no_hook_reaches_are_updated_first_and_waited_for(stream_order):
+    model, reference = Attention(), Attention()
+    optimizer = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)
+    optimizer.overlap_with(model)
+    attention_steps(model, optimizer, 3)
+    attention_steps(reference, torch.optim.AdamW(reference.parameters(), fused=True), 3)
+    model.eval()
+    with torch.no_grad():  # the fast path reads every weight in one op
+        model.net(torch.ones(1, 5, 16) * model.scale)
+    stream_order.expect_none()
+    assert {id(model.scale), id(model.net.self_attn.out_proj.weight)} <= optimizer._overlap.early
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_a_tensor_lr_changed_by_a_scheduler_after_the_step(stream_order):
+    model, reference = Net(), Net()
+    optimizer = OffloadAdamW(
+        model.parameters(), lr=torch.tensor(0.05), force_staging=True, chunk_size=64
+    )
+    optimizer.overlap_with(model)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=torch.tensor(0.05), fused=True)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (optimizer, torch_opt)]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        tokens = torch.randint(0, 10, (4, 5), generator=generator)
+        runs = zip((model, reference), (optimizer, torch_opt), schedulers, strict=True)
+        for net, opt, scheduler in runs:
+            net(tokens).logsumexp(-1).mean().backward()
+            opt.step()
+            scheduler.step()  # fill_ on the lr tensor the queued update reads
+            opt.zero_grad()
+    stream_order.expect_none()
+    model.state_dict()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_the_hooks_go_with_the_optimizer():
+    import gc
+    import weakref
+
+    model, optimizer = overlapped()
+    train(model, optimizer, 1)
+    pipeline = weakref.ref(optimizer._pipeline)
+    del optimizer
+    gc.collect()
+    assert pipeline() is None  # the module's hooks held it, with its staging buffers
+    assert not any(m._forward_pre_hooks for m in model.modules())

@@ -129,3 +129,20 @@ def test_resident_with_overlap(stream_order):
 def test_bad_resident_arguments_are_refused(resident, error, message):
     with pytest.raises(error, match=message):
         OffloadAdamW(make_params(), resident=resident)
+
+
+def test_auto_does_not_shrink_when_it_chooses_again(monkeypatch):
+    """The resident buffers held when "auto" chooses again (new parameters) are freed by the
+    choice: they count as free."""
+    free = 2 * (1 << 30) + 3000 + 8 * 640
+    params = make_params(SHAPES)
+    opt = staged(params, resident="auto")
+    monkeypatch.setattr(
+        resident_module, "free_device_memory", lambda d: free - opt.memory_stats()["resident_bytes"]
+    )
+    monkeypatch.setattr(resident_module, "total_memory", lambda device: 10 << 30)
+    generator = torch.Generator().manual_seed(5)
+    step_together([opt], [params], generator, 2, skip=lambda i: i == 4)
+    before = opt.memory_stats()["resident_bytes"]
+    step_together([opt], [params], generator, 2)  # the last parameter joins: choose again
+    assert opt.memory_stats()["resident_bytes"] >= before > 0

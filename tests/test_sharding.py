@@ -108,3 +108,38 @@ def test_state_sharded_otherwise_is_refused_naming_the_way_to_reshard(mesh):
     with pytest.raises(ValueError, match=r"Shard\(dim=1\).*torch.distributed.checkpoint"):
         opt.load_state_dict(saved)
     assert_same([opt.offloaded_state(param)["exp_avg"].full_tensor()], [before])
+
+
+def test_fsdp2_overlapped_steps_wait_before_each_units_all_gather(mesh):
+    """FSDP2 all-gathers a unit's shards in the unit's pre-forward hook, before any leaf's
+    forward: the overlap waits there, for the whole unit. Same results as torch AdamW."""
+    from stream_checker import StreamChecker
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded() -> torch.nn.Module:
+        torch.manual_seed(0)
+        blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)]
+        model = torch.nn.Sequential(*blocks)
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    model, reference = sharded(), sharded()
+    torch_opt = torch.optim.AdamW(reference.parameters(), fused=True)
+    x = torch.ones(2, 8)
+    for _ in range(3):
+        reference(x).sum().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    with StreamChecker() as checker:
+        opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)
+        opt.overlap_with(model)
+        for _ in range(3):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        model(x)
+        opt.wait_for_updates()
+    checker.expect_none()
+    ours = [p.full_tensor() for p in model.parameters()]
+    assert_same(ours, [p.full_tensor() for p in reference.parameters()])

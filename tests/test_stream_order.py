@@ -206,14 +206,15 @@ def _inside_second_update(patch: pytest.MonkeyPatch) -> None:
 
 
 def _unsettled_arenas(opt: OffloadAdamW) -> list[str]:
-    """Pinned buffers are unregistered and freed once their arena's last-use event is done, so
-    after an interrupted step that event must cover all work queued on both copy streams."""
+    """Pinned buffers are unregistered and freed once their arena's last-use events (its last
+    write and read) are done, so after an interrupted step they must cover all work queued on
+    both copy streams."""
     streams = opt._pipeline._streams[torch.device("cpu")]
     problems = []
     for arena in opt._host.arenas:
-        last_use = arena._in_flight[0]
+        events = [e for e in arena._in_flight if e is not None]  # the last write and read
         for stream in (streams.copy_in, streams.copy_out):
-            if last_use is None or last_use.clock.get(stream.id, 0) < stream.clock[stream.id]:
+            if all(e.clock.get(stream.id, 0) < stream.clock[stream.id] for e in events):
                 problems.append(f"an arena could be freed while the {stream} still uses it")
     return problems
 

@@ -201,6 +201,15 @@ class OffloadOptimizerMixin:
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
 
+    def on_train_end(self) -> None:
+        """With ``overlap_step``, order what reads the weights after training (Lightning moves
+        the module to the CPU at teardown) after the last step's updates."""
+        trainer = getattr(self, "_trainer", None)
+        for optimizer in trainer.optimizers if trainer is not None else []:
+            if isinstance(optimizer, OffloadAdamW):
+                optimizer.wait_for_updates()
+        super().on_train_end()  # type: ignore[misc]
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
         trainer = getattr(self, "_trainer", None)
