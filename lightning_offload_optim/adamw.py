@@ -156,6 +156,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._plans: OrderedDict[tuple[int, ...], list[Chunk]] = OrderedDict()
         self._interrupted: str | None = None
         self._overlap: ForwardOverlap | None = None
+        self._overlap_finalizer: weakref.finalize | None = None
         self._resident_for: tuple[int, ...] = ()
         self._next_chunks: list[Chunk] = []
         self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
@@ -274,7 +275,9 @@ class OffloadAdamW(torch.optim.AdamW):
             self._overlap.remove()
         self._overlap = ForwardOverlap(module, self._pipeline, weakref.WeakMethod(self._prefetch))
         # The module's hooks must not outlive this optimizer (nor keep its staging buffers).
-        weakref.finalize(self, self._overlap.remove_hooks)
+        if self._overlap_finalizer is not None:
+            self._overlap_finalizer.detach()  # the old overlap is removed already
+        self._overlap_finalizer = weakref.finalize(self, self._overlap.remove)
         self._plans.clear()
         return self._overlap
 
@@ -408,7 +411,8 @@ class OffloadAdamW(torch.optim.AdamW):
         overlap = self._overlapping()
         order = overlap.order if overlap is not None else {}
         early = overlap.early if overlap is not None else set()
-        key = (*(id(a.slot) for a in active), len(order), len(early))
+        version = overlap.early_version if overlap is not None else 0
+        key = (*(id(a.slot) for a in active), len(order), version)
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)

@@ -65,6 +65,7 @@ class ForwardOverlap:
         self._owned = {p for p in module.parameters()}
         self._reached: set[int] = set()  # ids of parameters whose hook ran since the last step
         self.early: set[int] = set()  # ids of parameters no hook reached: updated first
+        self.early_version = 0  # changes whenever ``early`` does (chunk plans depend on it)
         self._handles = []
         for child in module.modules():
             params = list(child.parameters(recurse=False))
@@ -87,7 +88,8 @@ class ForwardOverlap:
         if len(self.order) < len(self._owned):  # until every parameter has been seen
             for param in params:
                 self.order.setdefault(param, len(self.order))
-        self._reached.update(id(p) for p in params)
+        if torch.is_grad_enabled():  # a training forward (evaluation may call other modules)
+            self._reached.update(id(p) for p in params)
         if not self.pending:
             return
         self._wait(p for p in params if p in self.pending)
@@ -107,16 +109,19 @@ class ForwardOverlap:
 
     def stepped(self, updates: Iterable[tuple[Tensor, Any, torch.device]]) -> None:
         """A step queued these updates (parameter, event after its update, device); order the
-        caller's stream after those of parameters no hook reaches."""
-        self.pending = {param: (event, device) for param, event, device in updates}
+        caller's stream after those of parameters no hook reached in the training forward
+        passes before it, or in any before (they stay "early": read before any hook)."""
+        current = {param: (event, device) for param, event, device in updates}
+        self.pending.update(current)  # a parameter without a gradient keeps its last event
         reached, self._reached = self._reached, set()
         if not reached:  # no forward pass seen: nothing is known to wait later
             self.wait_all()
             return
-        unreached = [p for p in self.pending if id(p) not in reached]
-        self.early = {id(p) for p in unreached}
-        self._wait(unreached)
-        self._first = True
+        unreached = {id(p) for p in current if id(p) not in reached}
+        if not unreached <= self.early:
+            self.early |= unreached
+            self.early_version += 1
+        self._wait(p for p in current if id(p) in self.early)
 
     def wait_all(self) -> None:
         """Order the current streams after every update queued so far."""

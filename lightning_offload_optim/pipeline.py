@@ -131,8 +131,9 @@ class StagingPipeline:
         self._host_ready: dict[torch.device, torch.Event | None] = {}
         self._free: dict[tuple[torch.device, torch.dtype], list[torch.Event | None]] = {}
         self._resident: weakref.WeakKeyDictionary[Arena, _Resident] = weakref.WeakKeyDictionary()
-        # Copy-ins queued ahead of a step, by chunk position: (arena id, start, stop), event.
-        self._prefetched: dict[int, tuple[tuple[int, int, int], torch.Event | None]] = {}
+        # Copy-ins queued ahead of a step, by chunk position: (arena id, start, stop, staging
+        # buffer), and the event after the copy.
+        self._prefetched: dict[int, tuple[tuple[int, int, int, int], torch.Event | None]] = {}
         self._prefetch_record = StepRecord()
         self.last_record: StepRecord | None = None
         self.updated: list[torch.Event | None] = []
@@ -234,7 +235,7 @@ class StagingPipeline:
             # are the last step's, in the same places): the load's wait for it covers it.
             loaded = self._load(chunk, staged, number, record)
             chunk.arena.read_by(loaded)
-            self._prefetched[index] = ((id(chunk.arena), chunk.start, chunk.stop), loaded)
+            self._prefetched[index] = ((id(chunk.arena), chunk.start, chunk.stop, number), loaded)
         self._prefetch_record = record
 
     def _numbers(self, chunks: Sequence[Chunk]) -> list[int]:
@@ -308,7 +309,7 @@ class StagingPipeline:
                     loaded = (
                         ahead[1]
                         if ahead is not None
-                        and ahead[0] == (id(chunk.arena), chunk.start, chunk.stop)
+                        and ahead[0] == (id(chunk.arena), chunk.start, chunk.stop, number)
                         else self._load(chunk, views, number, record)
                     )
                     self.updated.append(

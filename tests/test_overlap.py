@@ -264,3 +264,58 @@ def test_the_hooks_go_with_the_optimizer():
     gc.collect()
     assert pipeline() is None  # the module's hooks held it, with its staging buffers
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+class Switching(nn.Module):
+    """The forward runs some modules only: ``mode`` names them. ``wide`` is fp64, so its state
+    is an arena (and its chunks a staging-buffer kind) of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = nn.Linear(8, 8, bias=False).double()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8, bias=False)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        if "w" in mode:
+            x = self.wide(x.double()).float()
+        if "a" in mode:
+            x = self.a(x)
+        return self.b(x) if "b" in mode else x
+
+    def training_step(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        """As a Lightning training_step: the root's forward is not called; ``scale`` is read
+        before any hook runs."""
+        return self(x * self.scale, mode) if mode.startswith("root") else self.b(x * self.scale)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        ["wab", "ab", "wb"],  # the step's chunks change in front of the early copies
+        ["ab", "a", "b"],  # a parameter without a gradient for a step keeps its last event
+        ["t", "t", "val", "t", "t"],  # an evaluation forward reaches the root's parameter
+    ],
+    ids=["early-copies-of-another-plan", "skipped-parameter", "evaluation-forward"],
+)
+def test_forward_patterns_that_change_between_steps(stream_order, pattern):
+    model, reference = Switching(), Switching()
+    optimizer = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    optimizer.overlap_with(model)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    generator = torch.Generator().manual_seed(1)
+    for mode in pattern:
+        x = torch.randn(4, 8, generator=generator)
+        if mode == "val":
+            with torch.no_grad():
+                model(x * model.scale, "root-ab")
+            continue
+        for net, opt in ((model, optimizer), (reference, torch_opt)):
+            (net.training_step(x, "b") if mode == "t" else net(x, mode)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    stream_order.expect_none()
+    optimizer.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))
