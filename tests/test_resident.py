@@ -55,14 +55,20 @@ def test_whole_parameters_from_the_start_stay_resident_and_are_not_copied():
 
 
 def test_bf16_parameters_with_master_copies(stream_order):
+    """Against torch fused AdamW on fp32 copies of the parameters, rounded after each step."""
     params = make_params(SHAPES, dtype=torch.bfloat16)
-    twins = clone_params(params)
-    everything, nothing = staged(params, resident=1.0), staged(twins)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    everything = staged(params, resident=1.0)
+    fp32 = torch.optim.AdamW(masters, lr=0.05, fused=True)
     generator = torch.Generator().manual_seed(2)
     for _ in range(3):
-        step_together([everything, nothing], [params, twins], generator, 1)
+        for p, m in zip(params, masters, strict=True):
+            p.grad = torch.randn(p.shape, generator=generator, dtype=torch.bfloat16)
+            m.grad = p.grad.float()
+        everything.step()
+        fp32.step()
     stream_order.expect_none()
-    assert_same(params, twins)
+    assert_same(params, [m.detach().to(torch.bfloat16) for m in masters])
     assert everything.memory_stats()["resident_bytes"] == everything.memory_stats()["state_bytes"]
 
 
