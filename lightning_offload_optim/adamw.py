@@ -219,9 +219,6 @@ class OffloadAdamW(torch.optim.AdamW):
         host_steps = [a.step for a in active]
         device_steps = self._steps_on_devices(active, host_steps)
 
-        def update(chunk: Chunk, views: dict[str, Tensor]) -> None:
-            self._update_chunk(chunk, views, active, device_steps, hyper)
-
         overlap = self._overlapping()
         if overlap is not None:  # the update reads these after step() returns
             for a in active:
@@ -230,6 +227,10 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._pipeline.used_by_update(step)  # the stacked copies of the step counts
             # A tensor lr may be changed (a scheduler's fill_) before the update reads it.
             hyper = [_snapshot_lr(h, self._pipeline) for h in hyper]
+
+        def update(chunk: Chunk, views: dict[str, Tensor]) -> None:
+            self._update_chunk(chunk, views, active, device_steps, hyper)
+
         # Everything is checked and allocated: from here on the update runs.
         try:
             if new_slots:
@@ -365,8 +366,7 @@ class OffloadAdamW(torch.optim.AdamW):
             return self._collect_active()
         overlap = self._overlapping()
         if new and overlap is not None and overlap.order:  # lay state out in forward order
-            last = len(overlap.order)
-            new.sort(key=lambda request: overlap.rank(request[0], last))
+            new.sort(key=lambda request: overlap.rank(request[0]))
         new_slots = self._host.allocate(new) if new else {}
         active = []
         for param, part, g, slot, step in found:
@@ -419,10 +419,7 @@ class OffloadAdamW(torch.optim.AdamW):
             return plan
         plan = plan_chunks([a.slot for a in active], self._chunk_limit)
         if overlap is not None and (order or early):  # first what the next forward uses first
-            last = len(order)
-            plan.sort(
-                key=lambda c: min(overlap.rank(active[s.index].param, last) for s in c.segments)
-            )
+            plan.sort(key=lambda c: min(overlap.rank(active[s.index].param) for s in c.segments))
         if cache:
             self._plans[key] = plan
             if len(self._plans) > PLAN_CACHE_SIZE:
@@ -777,7 +774,9 @@ class OffloadAdamW(torch.optim.AdamW):
         """
         if not self.enabled:
             return {k: v.clone() for k, v in self.state.get(param, {}).items() if k != "step"}
-        self._adopt_state(self._foreign_entries())
+        entry = self.state.get(param)
+        if entry and not isinstance(entry.get("exp_avg"), Offloaded):  # written there by others
+            self._adopt_state(self._foreign_entries())
         slot = self._host.slots.get(param)
         if slot is None or not self.state.get(param):
             return {}

@@ -42,10 +42,11 @@ class ForwardOverlap:
 
     A module's hook waits for the parameters it owns directly, and an FSDP2 unit's for every
     parameter of the unit (its all-gather reads them all). Parameters that no hook reached during
-    the forward passes before a step (a parent reads them, as ``nn.MultiheadAttention`` reads
-    ``out_proj.weight``; the root's own when only a child is called, as a Lightning
-    ``training_step`` does; parameters outside the tree) may be read before any hook runs: they
-    are updated first, and the caller's stream waits for them as soon as the step is queued.
+    the training forward passes before a step (a parent reads them, as
+    ``nn.MultiheadAttention`` reads ``out_proj.weight``; the root's own when only a child is
+    called, as a Lightning ``training_step`` does; parameters outside the tree) may be read
+    before any hook runs: they are updated first, and the caller's stream waits for them as
+    soon as the step is queued.
     Before a forward pass has been seen, it waits for everything.
     """
 
@@ -62,7 +63,7 @@ class ForwardOverlap:
         self.pending: dict[Tensor, tuple[Any, torch.device]] = {}
         #: Parameters by first use in a forward pass, once one has run.
         self.order: dict[Tensor, int] = {}
-        self._owned = {p for p in module.parameters()}
+        self._count = sum(1 for _ in module.parameters())  # order is complete at this size
         self._reached: set[int] = set()  # ids of parameters whose hook ran since the last step
         self.early: set[int] = set()  # ids of parameters no hook reached: updated first
         self.early_version = 0  # changes whenever ``early`` does (chunk plans depend on it)
@@ -85,7 +86,7 @@ class ForwardOverlap:
             prefetch()
 
     def _before_forward(self, params: list[Tensor]) -> None:
-        if len(self.order) < len(self._owned):  # until every parameter has been seen
+        if len(self.order) < self._count:  # until every parameter has been seen
             for param in params:
                 self.order.setdefault(param, len(self.order))
         if torch.is_grad_enabled():  # a training forward (evaluation may call other modules)
@@ -102,10 +103,10 @@ class ForwardOverlap:
                 seen.add(id(event))
                 self._pipeline.caller_waits(event, device)
 
-    def rank(self, param: Tensor, last: int) -> int:
+    def rank(self, param: Tensor) -> int:
         """Where ``param``'s update goes: parameters read before any hook first, then by first
         use in the forward pass, then the rest."""
-        return -1 if id(param) in self.early else self.order.get(param, last)
+        return -1 if id(param) in self.early else self.order.get(param, len(self.order))
 
     def stepped(self, updates: Iterable[tuple[Tensor, Any, torch.device]]) -> None:
         """A step queued these updates (parameter, event after its update, device); order the
@@ -128,17 +129,14 @@ class ForwardOverlap:
         self._pipeline.join_updates()
         self.pending.clear()
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self.removed = True
-
     def remove(self) -> None:
         """Wait for the queued updates and remove the hooks; the optimizer's steps are then
         synchronous again."""
         self.wait_all()
-        self.remove_hooks()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.removed = True
 
 
 def _is_fsdp2_unit(module: nn.Module) -> bool:

@@ -216,14 +216,12 @@ class StagingPipeline:
         if self._prefetched:
             return  # queued already (another forward pass before the same step)
         record = StepRecord()
-        seen: dict[tuple[torch.device, torch.dtype], int] = {}
-        for index, (chunk, number) in enumerate(zip(chunks, self._numbers(chunks), strict=True)):
-            if chunk.resident or not self.stages(chunk.arena.device):
+        for index, (chunk, turn) in enumerate(zip(chunks, self._turns(chunks), strict=True)):
+            if chunk.resident or not self.stages(chunk.arena.device) or turn >= self.num_buffers:
                 continue
-            kind = (chunk.arena.device, chunk.arena.dtype)
-            seen[kind] = seen.get(kind, 0) + 1
-            buffers = self._buffers.get(kind, [])
-            if seen[kind] > self.num_buffers or len(buffers) <= number:
+            number = turn  # the first turns take the buffers in order
+            buffers = self._buffers.get((chunk.arena.device, chunk.arena.dtype), [])
+            if len(buffers) <= number:
                 continue
             if any(
                 k not in buffers[number] or buffers[number][k].numel() < chunk.numel
@@ -238,19 +236,19 @@ class StagingPipeline:
             self._prefetched[index] = ((id(chunk.arena), chunk.start, chunk.stop, number), loaded)
         self._prefetch_record = record
 
-    def _numbers(self, chunks: Sequence[Chunk]) -> list[int]:
-        """The staging buffer set of each chunk: a kind's staged chunks take them in turn, so
-        a chunk loads while the one before it computes; other chunks use the next one's
-        gradient scratch (on the update's stream, in order)."""
+    def _turns(self, chunks: Sequence[Chunk]) -> list[int]:
+        """Per chunk, how many staged chunks of its kind come before it. A kind's staged chunks
+        take the staging buffer sets in turn (``turn % num_buffers``), so a chunk loads while
+        the one before it computes; other chunks use the next one's gradient scratch (on the
+        update's stream, in order)."""
         counts: dict[tuple[torch.device, torch.dtype], int] = {}
-        numbers = []
+        turns = []
         for chunk in chunks:
             kind = (chunk.arena.device, chunk.arena.dtype)
-            count = counts.get(kind, 0)
-            numbers.append(count % self.num_buffers)
+            turns.append(counts.get(kind, 0))
             if self.stages(chunk.arena.device) and not chunk.resident:
-                counts[kind] = count + 1
-        return numbers
+                counts[kind] = turns[-1] + 1
+        return turns
 
     def _staged_keys(self, chunk: Chunk) -> tuple[str, ...]:
         """The buffers a chunk needs: its state keys when staged (not when resident), and a
@@ -290,12 +288,10 @@ class StagingPipeline:
             streams.wait(streams.copy_in, self._host_ready.get(device))
         copied: set[torch.device] = set()  # devices where staged chunks were copied
         try:
-            for index, (chunk, number) in enumerate(
-                zip(chunks, self._numbers(chunks), strict=True)
-            ):
+            for index, (chunk, turn) in enumerate(zip(chunks, self._turns(chunks), strict=True)):
                 kind = (chunk.arena.device, chunk.arena.dtype)
                 is_staged = chunk.arena.device in staged
-                number = number if is_staged else 0
+                number = turn % self.num_buffers if is_staged else 0
                 keys = self._staged_keys(chunk)
                 buffer = self._buffers[kind][number] if keys else {}
                 views = {key: buffer[key][: chunk.numel] for key in keys}
