@@ -48,6 +48,10 @@ def main(out: Path) -> None:
             ).item(),
         }
     torch.save(results, out / f"rank{fit.global_rank}.pt")
+    # Lightning leaves the process group up at exit; one CI run of this script aborted while
+    # exiting ("terminate called without an active exception"). Tear it down explicitly.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
