@@ -70,7 +70,7 @@ class TinyModel(OffloadOptimizerMixin, pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = torch.nn.functional.mse_loss(self(x).float(), y)
+        loss = torch.nn.functional.mse_loss(self(x).float(), y.float())
         if batch_idx == self.hparams.nan_at_batch:
             loss = loss * float("inf")
         self.log("loss", loss)
