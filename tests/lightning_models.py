@@ -112,8 +112,8 @@ class TinyModel(OffloadOptimizerMixin, pl.LightningModule):
 class ManualModel(TinyModel):
     """Manual optimization, one optimizer, with clipping done by hand."""
 
-    def __init__(self, optimizer: str = "offload") -> None:
-        super().__init__(optimizer)
+    def __init__(self, optimizer: str = "offload", **hparams: Any) -> None:
+        super().__init__(optimizer, **hparams)
         self.automatic_optimization = False
 
     def training_step(self, batch: Any, batch_idx: int) -> None:

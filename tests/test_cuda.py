@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
 import torch
 from conftest import assert_same, clone_params, make_params, set_grads, step_together
+from torch import nn
 
 from lightning_offload_optim import OffloadAdamW
 
@@ -169,16 +171,29 @@ def test_lightning_resume_keeps_state_off_the_device(tmp_path):
     assert _device_tensors_in_state(resumed.optimizers[0]) == []
 
 
-def test_step_and_monitor_do_not_synchronise_on_steps_that_are_not_logged(tmp_path, monkeypatch):
-    """torch's sync debug mode turns any device synchronisation in them into an error."""
+@pytest.mark.parametrize(
+    ("hparams", "unchecked_steps"),
+    [({}, 1), ({"overlap_step": True, "offload_resident": 0.9, "force_staging": True}, 2)],
+    ids=["plain", "overlap-resident"],
+)
+def test_step_and_monitor_do_not_synchronise_on_steps_that_are_not_logged(
+    tmp_path, monkeypatch, hparams, unchecked_steps
+):
+    """torch's sync debug mode turns any device synchronisation in them into an error. Not
+    checked: the first step (allocation) and, with a resident share, the second (the share is
+    chosen once the host buffers exist, after waiting for them)."""
     from lightning_models import ManualModel, trainer  # ManualModel: a no-op step closure
 
     from lightning_offload_optim import OffloadMonitor
 
+    steps = []
+
     def strict(method):
         def run(self, *args, **kwargs):
-            first_step = isinstance(self, OffloadAdamW) and not self.state
-            torch.cuda.set_sync_debug_mode(0 if first_step else "error")  # first: allocation
+            if isinstance(self, OffloadAdamW):
+                steps.append(1)
+            checked = not isinstance(self, OffloadAdamW) or len(steps) > unchecked_steps
+            torch.cuda.set_sync_debug_mode("error" if checked else 0)
             try:
                 return method(self, *args, **kwargs)
             finally:
@@ -194,8 +209,23 @@ def test_step_and_monitor_do_not_synchronise_on_steps_that_are_not_logged(tmp_pa
     fitted = trainer(
         tmp_path, accelerator="gpu", max_steps=5, log_every_n_steps=50, callbacks=[monitor]
     )
-    fitted.fit(ManualModel())
+    fitted.fit(ManualModel(**hparams))
     assert monitor.totals["steps"] == 5  # all read by the end of fit
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lightning_overlap_and_resident_match_torch_on_gpu(tmp_path, precision):
+    """The mixin's overlap_step and offload_resident on a GPU, with clipping: bit-identical to
+    torch's fused AdamW under the same Trainer."""
+    from lightning_models import TinyModel, trainer
+
+    offload = TinyModel(overlap_step=True, offload_resident=0.9, force_staging=True)
+    reference = TinyModel("torch")
+    for model in (offload, reference):
+        settings = {"precision": precision, "gradient_clip_val": 0.05}
+        trainer(tmp_path, accelerator="gpu", **settings).fit(model)
+    assert offload.trainer.optimizers[0].memory_stats()["resident_bytes"] > 0
+    assert_same(list(offload.parameters()), list(reference.parameters()))
 
 
 def test_many_tiny_arenas_next_to_large_ones_are_all_pinned():
@@ -328,3 +358,149 @@ def test_fsdp2_on_one_gpu_matches_torch_and_resumes_through_dcp(tmp_path):
         )
     finally:
         dist.destroy_process_group()
+
+
+# Overlapping the step with the next forward (``overlap_with``) and resident state on real
+# streams: the CPU suite checks every ordering on simulated streams; these check that the CUDA
+# caching allocator, events and streams behave as those simulations assume, and that the
+# overlap actually happens.
+
+
+class Stack(nn.Module):
+    """~54M fp32 parameters (430 MB of state, 52 chunks of 1 Mi elements): the updates are
+    still running when the next forward pass starts. A weight tied between two layers and a
+    layer called twice; only ops with deterministic CUDA kernels, so two copies train alike."""
+
+    def __init__(self, width: int = 1024, depth: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(width, width)
+        self.layers = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(width),
+                nn.Linear(width, 4 * width),
+                nn.GELU(),
+                nn.Linear(4 * width, width),
+            )
+            for _ in range(depth)
+        )
+        self.twice = nn.Linear(width, width)
+        self.out = nn.Linear(width, width, bias=False)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        x = self.twice(torch.tanh(self.twice(x)))
+        return self.out(x).pow(2).mean()
+
+
+def train_stack(model: nn.Module, optimizer, steps: int, rows: int = 2048) -> list:
+    """Forward, backward, clip, step, zero_grad; right after ``zero_grad`` the freed gradients'
+    memory is filled with NaN if the caching allocator hands it out again (same sizes, same
+    stream) while a queued update still reads it. Returns those tensors (keep them alive)."""
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    poison = []
+    for _ in range(steps):
+        x = torch.randn(rows, 1024, device=CUDA, generator=generator).to(model.inp.weight.dtype)
+        model(x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        poison.append([torch.full_like(p, float("nan")) for p in model.parameters()])
+    return poison
+
+
+def overlapped_stack(
+    overlap: bool, resident, dtype=torch.float32, chunk_size: int = CHUNK
+) -> tuple[Stack, OffloadAdamW]:
+    model = Stack().to(CUDA, dtype)
+    optimizer = OffloadAdamW(
+        model.parameters(), lr=1e-3, weight_decay=0.1, chunk_size=chunk_size, resident=resident
+    )
+    if overlap:
+        optimizer.overlap_with(model)
+    return model, optimizer
+
+
+@pytest.mark.parametrize(
+    ("overlap", "resident"),
+    [(True, None), (False, 0.5), (True, 0.5), (True, "auto")],
+    ids=["overlap", "resident-half", "overlap-resident-half", "overlap-resident-auto"],
+)
+def test_overlap_and_resident_match_torch_fused_on_cuda(overlap, resident):
+    model, optimizer = overlapped_stack(overlap, resident)
+    reference = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    train_stack(model, optimizer, 4)
+    train_stack(reference, torch_opt, 4)
+    # No explicit wait: state_dict() waits for the queued updates and writes resident state back.
+    ours, theirs = optimizer.state_dict()["state"], torch_opt.state_dict()["state"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_same([ours[i][key] for i in sorted(ours)], [theirs[i][key] for i in sorted(ours)])
+    assert_same(list(model.state_dict().values()), list(reference.state_dict().values()))
+    stats = optimizer.memory_stats()
+    if resident == 0.5:
+        assert 0 < stats["resident_bytes"] <= stats["state_bytes"] / 2
+    elif resident == "auto":  # 430 MB of state fits next to any free memory we run with
+        assert stats["resident_bytes"] == stats["state_bytes"]
+
+
+def test_bf16_overlap_and_resident_match_the_plain_step_on_cuda():
+    """bf16 parameters with fp32 masters, overlapped and half resident, against the plain step
+    (itself checked against fp32 torch AdamW above)."""
+    model, optimizer = overlapped_stack(True, 0.5, torch.bfloat16)
+    plain, plain_opt = overlapped_stack(False, None, torch.bfloat16)
+    train_stack(model, optimizer, 4)
+    train_stack(plain, plain_opt, 4)
+    assert_same(list(model.state_dict().values()), list(plain.state_dict().values()))
+    ours, theirs = optimizer.state_dict()["state"], plain_opt.state_dict()["state"]
+    for key in ("exp_avg", "exp_avg_sq", "master_param"):
+        assert_same([ours[i][key] for i in sorted(ours)], [theirs[i][key] for i in sorted(ours)])
+
+
+def _pipeline_streams(optimizer: OffloadAdamW):
+    (streams,) = optimizer._pipeline._streams.values()
+    return streams
+
+
+def _timed_event(stream=None) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def test_the_first_layers_compute_while_later_layers_still_update():
+    """The point of overlap_with: the next forward's first layer finishes before the step's
+    last update does (on the device, measured with events). Chunks of 16 MiB per key: the
+    device spends longer on each than the host takes to queue it."""
+    model, optimizer = overlapped_stack(True, None, chunk_size=1 << 22)
+    train_stack(model, optimizer, 2)  # the first forward records the order; then chunks follow it
+    first_layer = []
+    model.layers[0].register_forward_hook(lambda *_: first_layer.append(_timed_event()))
+    x = torch.randn(2048, 1024, device=CUDA)
+    model(x).backward()
+    optimizer.step()
+    updates_done = _timed_event(_pipeline_streams(optimizer).update)
+    model(x)
+    torch.cuda.synchronize()
+    ahead_ms = first_layer[-1].elapsed_time(updates_done)
+    assert ahead_ms > 0, f"the first layer finished {-ahead_ms:.3f} ms after the last update"
+
+
+def test_the_next_steps_first_copies_run_during_the_backward_pass():
+    """After each forward pass the next step's first chunks are copied in (they do not depend
+    on the gradients): queued, and done before the backward pass ends."""
+    model, optimizer = overlapped_stack(True, None, chunk_size=1 << 22)
+    train_stack(model, optimizer, 2)
+    loss = model(torch.randn(8192, 1024, device=CUDA))
+    assert optimizer._pipeline._prefetched, "no copy was queued after the forward pass"
+    copies_done = _timed_event(_pipeline_streams(optimizer).copy_in)
+    loss.backward()
+    backward_done = _timed_event()
+    torch.cuda.synchronize()
+    assert copies_done.elapsed_time(backward_done) > 0
+    optimizer.step()  # uses those copies
+    optimizer.wait_for_updates()
+    assert not torch.isnan(next(model.parameters())).any()
