@@ -103,7 +103,8 @@ class OffloadAdamW(torch.optim.AdamW):
         force_staging: stage chunks through separate buffers even for CPU parameters (tests).
         resident: state to keep on the device, where it is updated in place and never copied:
             a share of the state (``0.25``), a number of bytes, or ``"auto"`` (what is free on
-            the device after the first step, less a margin of 10% of it and at least 2 GiB).
+            the device after the first step, within any per-process memory fraction, less a
+            margin of 10% of the device's memory and at least 2 GiB).
             The parameters the forward pass uses first are kept (see :meth:`overlap_with`).
             Chosen at the start of each step whose parameters' state is laid out anew (from
             the second step); checkpoints are the same whatever the share.

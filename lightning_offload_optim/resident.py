@@ -44,10 +44,16 @@ def check_resident(resident: Resident) -> Resident:
 
 
 def free_device_memory(device: torch.device) -> int | None:
-    """Bytes free on ``device`` now, or None where torch cannot say (the CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return None
+    """Bytes this process may still allocate on ``device``, or None where torch cannot say (the
+    CPU): what the device has free, and no more than the caching allocator's cap
+    (``torch.cuda.set_per_process_memory_fraction``) leaves beyond what it has reserved."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    # The getter is newer than our oldest supported torch; without it, assume no cap.
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    cap = int(fraction * total)
+    return max(0, min(free, cap - torch.cuda.memory_reserved(device)))
 
 
 def total_memory(device: torch.device) -> int:

@@ -105,6 +105,18 @@ def test_auto_keeps_what_is_free_after_the_first_step_less_a_margin(monkeypatch)
     assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100)
 
 
+@pytest.mark.parametrize(("fraction", "expected_gib"), [(1.0, 50), (0.5, 10)])
+def test_auto_counts_only_what_the_allocator_may_still_take(monkeypatch, fraction, expected_gib):
+    """A per-process memory fraction caps the caching allocator below what the device has
+    free: "auto" must not plan beyond the cap (the next forward pass would run out)."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * gib)
+    free = resident_module.free_device_memory(torch.device("cuda", 0))
+    assert free == expected_gib * gib
+
+
 def test_resident_with_overlap(stream_order):
     model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 8))
     twin = copy.deepcopy(model)
