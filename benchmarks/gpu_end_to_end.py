@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import gc
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,11 +210,14 @@ def main() -> None:
             continue
         try:
             row = run(config, args.steps, args.warmup, args.device)
-        except torch.OutOfMemoryError:
+        except Exception as error:  # out of memory, or a comparison that fails here: go on
             row = {"size": config.size, "precision": config.precision, "seq": config.seq}
             row |= {"optimizer": config.optimizer, "tokens_per_s": 0.0}
-            print(f"out of memory: {config}")
+            print(f"failed: {config}: {error!r}")
+            if not isinstance(error, torch.OutOfMemoryError):
+                traceback.print_exc()
         finally:
+            gc.collect()  # the last configuration's host state (tens of GB) goes first
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
         if row is None:

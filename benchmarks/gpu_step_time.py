@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import statistics
+import traceback
 from pathlib import Path
 
 import torch
@@ -133,8 +135,14 @@ def main() -> None:
                 ps, fused=True
             )
         for name, make in candidates.items():
-            opt = make(params)
-            ms, peak = time_steps(opt, args.steps)
+            try:
+                ms, peak = time_steps(make(params), args.steps)
+            except Exception:  # report, and measure the others
+                traceback.print_exc()
+                continue
+            finally:  # this optimizer's host state (GBs) goes before the next is made
+                gc.collect()
+                torch.cuda.empty_cache()
             row = {
                 "dtype": str(dtype).removeprefix("torch."),
                 "optimizer": name,
@@ -154,8 +162,6 @@ def main() -> None:
                 f" (x{ms / measured:.2f})"
             )
             write(result, args.out)  # after each row: a run cut short keeps what it measured
-            del opt
-            torch.cuda.empty_cache()
         del params
         torch.cuda.empty_cache()
 
