@@ -80,9 +80,10 @@ def make_params(total: int, dtype: torch.dtype, count: int = 24) -> list[torch.n
     return params
 
 
-def time_steps(opt: torch.optim.Optimizer, steps: int) -> tuple[float, int]:
-    """Median step time in ms, and peak device memory in bytes over those steps, after two
-    untimed steps (the first allocates; a resident share is chosen at the second)."""
+def time_steps(opt: torch.optim.Optimizer, steps: int) -> tuple[float, int, int]:
+    """Median step time in ms, peak device memory in bytes over those steps, and the bytes
+    the last step copied one way (0 for torch's AdamW), after two untimed steps (the first
+    allocates; a resident share is chosen at the second)."""
     opt.step()
     opt.step()
     torch.cuda.synchronize()
@@ -95,7 +96,9 @@ def time_steps(opt: torch.optim.Optimizer, steps: int) -> tuple[float, int]:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), torch.cuda.max_memory_allocated()
+    record = getattr(opt, "last_step", None)
+    moved = record.resolve().bytes_in if record is not None else 0
+    return statistics.median(times), torch.cuda.max_memory_allocated(), moved
 
 
 def main() -> None:
@@ -136,7 +139,7 @@ def main() -> None:
             )
         for name, make in candidates.items():
             try:
-                ms, peak = time_steps(make(params), args.steps)
+                ms, peak, moved_bytes = time_steps(make(params), args.steps)
             except Exception:  # report, and measure the others
                 traceback.print_exc()
                 continue
@@ -154,6 +157,11 @@ def main() -> None:
                 "ratio_to_half_duplex_bound": ms / half_duplex,
                 "bound_measured_ms": measured,
                 "ratio_to_measured_bound": ms / measured,
+                # what this step moved (less with a resident share) over the measured rate
+                "moved_gb_each_way": moved_bytes / 1e9,
+                "ratio_to_its_bytes_bound": ms / (1000 * moved_bytes / both / 1e9)
+                if moved_bytes
+                else "",
             }
             result["rows"].append(row)
             print(
