@@ -7,7 +7,7 @@ Complex parameters get arenas of their own, so every complex slot starts at an e
 its real view can be viewed as complex again.
 
 Buffers of staged parameters are pinned (page-locked) when asked. On CUDA an allocation of our
-own, page-aligned and rounded up to whole pages, is registered with the runtime: torch's pinned
+own, whole pages of an anonymous mapping, is registered with the runtime: torch's pinned
 allocator rounds every allocation up to a power of two (up to 2x the host RAM), and registering
 an ordinary allocation that shares a page with another registered one fails. When pinning fails
 (memlock limits, containers that cap pinned memory) the state stays in pageable memory, with one
@@ -168,20 +168,20 @@ def registered_empty(
 ) -> tuple[Tensor, list[int]]:
     """A flat host buffer whose pages belong to it alone, registered with ``register``.
 
-    The raw allocation has a page of slack so that a page-aligned, page-rounded range fits
-    inside it: no other allocation shares a registered page (registering a page twice fails).
-    Ranges of :data:`MAX_REGISTRATION_BYTES` or more are registered in pieces. Returns the buffer
-    and the registered pointers; raises :class:`PinningError` naming the error (nothing stays
+    The memory is an anonymous mapping of whole pages: no other allocation shares a registered
+    page (registering a page twice fails), and the buffer's storage starts at the registered
+    address (torch's ``is_pinned()`` asks about the storage's start). Ranges of
+    :data:`MAX_REGISTRATION_BYTES` or more are registered in pieces. Returns the buffer and the
+    registered pointers; raises :class:`PinningError` naming the error (nothing stays
     registered then).
     """
     nbytes = numel * dtype.itemsize
     rounded = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
-    raw = torch.empty(rounded + PAGE_SIZE, dtype=torch.uint8)
-    start = -raw.data_ptr() % PAGE_SIZE
-    aligned = raw[start : start + rounded]
+    private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # not Windows
+    pages = torch.frombuffer(mmap.mmap(-1, rounded, **private), dtype=torch.uint8)
     registered: list[int] = []
     for offset in range(0, rounded, MAX_REGISTRATION_BYTES):
-        pointer = aligned.data_ptr() + offset
+        pointer = pages.data_ptr() + offset
         error = register(pointer, min(MAX_REGISTRATION_BYTES, rounded - offset))
         if error != 0:
             for done in registered:
@@ -190,7 +190,7 @@ def registered_empty(
                 f"cudaHostRegister of {rounded / 2**30:.2f} GiB failed with error {error}"
             )
         registered.append(pointer)
-    return aligned[:nbytes].view(dtype), registered
+    return pages[:nbytes].view(dtype), registered
 
 
 def _pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[int]]:

@@ -409,11 +409,10 @@ def _largest_chunk(numels: Sequence[int], bound: int) -> int:
 
 
 def _host_buffer_bytes(nbytes: int, pinned: bool) -> int:
-    """Bytes one host buffer occupies: pinned ones are page-aligned and page-rounded inside an
-    allocation one page larger (host_state.registered_empty)."""
-    if not pinned or nbytes == 0:
+    """Bytes one host buffer occupies: pinned ones are whole pages (host_state.registered_empty)."""
+    if not pinned:
         return nbytes
-    return -(-nbytes // PAGE_SIZE) * PAGE_SIZE + PAGE_SIZE
+    return -(-nbytes // PAGE_SIZE) * PAGE_SIZE
 
 
 def _offload_usage(
