@@ -7,7 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/figures}
-E2E_BUDGET_S=${E2E_BUDGET_S:-150}
+E2E_BUDGET_S=${E2E_BUDGET_S:-120}
 STEP_PARAMS=${STEP_PARAMS:-500000000}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -113,7 +113,10 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer | None:
         try:
             from torchao.optim import CPUOffloadOptimizer
         except ImportError:
+            print("torchao is not installed: no CPUOffloadOptimizer rows")
             return None
+        # It copies each gradient to the host during backward, so the clipping that follows
+        # does not reach its update: same work per step, not the same training.
         return CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-4, fused=True)
     overlap, resident = OFFLOAD_VARIANTS[name]
     optimizer = OffloadAdamW(params, lr=1e-4, resident=resident)
@@ -220,6 +223,7 @@ def main() -> None:
             gc.collect()  # the last configuration's host state (tens of GB) goes first
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
+                torch._C._host_emptyCache()  # torchao's pinned buffers, cached by torch
         if row is None:
             continue
         rows.append(row)

@@ -18,6 +18,7 @@ import csv
 import gc
 import json
 import statistics
+import time
 import traceback
 from pathlib import Path
 
@@ -83,19 +84,19 @@ def make_params(total: int, dtype: torch.dtype, count: int = 24) -> list[torch.n
 def time_steps(opt: torch.optim.Optimizer, steps: int) -> tuple[float, int, int]:
     """Median step time in ms, peak device memory in bytes over those steps, and the bytes
     the last step copied one way (0 for torch's AdamW), after two untimed steps (the first
-    allocates; a resident share is chosen at the second)."""
+    allocates; a resident share is chosen at the second). A step's time runs from the call,
+    with the device idle, until all of its work is done, copies back to the host included (they
+    run on streams of their own, which an event on the caller's stream would not wait for)."""
     opt.step()
     opt.step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = time.perf_counter()
         opt.step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - start))
     record = getattr(opt, "last_step", None)
     moved = record.resolve().bytes_in if record is not None else 0
     return statistics.median(times), torch.cuda.max_memory_allocated(), moved
