@@ -9,6 +9,11 @@ parameters after their update, on the device (the host never blocks):
   streams); it runs before other pre-hooks, FSDP2's all-gather among them;
 - the root module's pre-hook also waits for optimized parameters that no module of the tree
   owns (used functionally), and its ``state_dict`` pre-hook waits for all (checkpoints);
+- the first gradient the next backward pass computes for a stepped parameter waits for all
+  updates (a hook on each stepped parameter): the backward may write gradients the updates
+  still read, and not only where a gradient was kept: ``DistributedDataParallel(
+  gradient_as_bucket_view=True)`` zeroes and all-reduces its persistent gradient buckets, the
+  slots of parameters the forward skipped included;
 - ``zero_grad(set_to_none=False)``, ``load_state_dict`` and reads of the host state wait for
   everything (the optimizer calls :meth:`ForwardOverlap.wait_all` or the pipeline does), and
   the next ``step()`` queues its updates after these on the same stream;
@@ -65,6 +70,7 @@ class ForwardOverlap:
         self.order: dict[Tensor, int] = {}
         self._count = sum(1 for _ in module.parameters())  # order is complete at this size
         self._reached: set[int] = set()  # ids of parameters whose hook ran since the last step
+        self._gradient_hooked: set[int] = set()  # ids of parameters with a gradient hook
         self.early: set[int] = set()  # ids of parameters no hook reached: updated first
         self.early_version = 0  # changes whenever ``early`` does (chunk plans depend on it)
         self._handles = []
@@ -114,6 +120,10 @@ class ForwardOverlap:
         passes before it, or in any before (they stay "early": read before any hook)."""
         current = {param: (event, device) for param, event, device in updates}
         self.pending.update(current)  # a parameter without a gradient keeps its last event
+        for param in current:  # stepped, so it requires a gradient
+            if id(param) not in self._gradient_hooked:
+                self._gradient_hooked.add(id(param))
+                self._handles.append(param.register_hook(self._before_gradient))
         reached, self._reached = self._reached, set()
         if not reached:  # no forward pass seen: nothing is known to wait later
             self.wait_all()
@@ -123,6 +133,12 @@ class ForwardOverlap:
             self.early |= unreached
             self.early_version += 1
         self._wait(p for p in current if id(p) in self.early)
+
+    def _before_gradient(self, _grad: Tensor) -> None:
+        """A backward pass computed a stepped parameter's gradient: before it (or DDP's
+        reducer) writes any gradient, order its stream after every queued update."""
+        if self.pending:
+            self.wait_all()
 
     def wait_all(self) -> None:
         """Order the current streams after every update queued so far."""

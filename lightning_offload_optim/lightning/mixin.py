@@ -85,7 +85,8 @@ class OffloadOptimizerMixin:
     ``Norm`` (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``...), and parameters whose own
     name contains ``norm``. Override :meth:`offload_optimizer_args` to change groups or
     arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
-    run follows the current Trainer's length.
+    run follows the current Trainer's length. With ``overlap_step``, ``on_validation_start``
+    and ``on_train_end`` wait for the queued updates: call ``super()`` where you override them.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -201,14 +202,23 @@ class OffloadOptimizerMixin:
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
 
+    def on_validation_start(self) -> None:
+        """With ``overlap_step``, order validation (whose steps may read parameters without the
+        forward hooks, a root parameter say) after the last step's updates."""
+        self._wait_for_offload_updates()
+        super().on_validation_start()  # type: ignore[misc]
+
     def on_train_end(self) -> None:
         """With ``overlap_step``, order what reads the weights after training (Lightning moves
         the module to the CPU at teardown) after the last step's updates."""
+        self._wait_for_offload_updates()
+        super().on_train_end()  # type: ignore[misc]
+
+    def _wait_for_offload_updates(self) -> None:
         trainer = getattr(self, "_trainer", None)
         for optimizer in trainer.optimizers if trainer is not None else []:
             if isinstance(optimizer, OffloadAdamW):
                 optimizer.wait_for_updates()
-        super().on_train_end()  # type: ignore[misc]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
