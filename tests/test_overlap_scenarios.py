@@ -1,0 +1,786 @@
+"""Overlapped steps (``overlap_step=True`` / ``overlap_with``) in scenarios users hit, on the
+staged pipeline (``force_staging=True``) under the stream-ordering checker, against
+``torch.optim.AdamW(fused=True)`` on the same inputs.
+
+Every scenario also runs with part of the state resident (``offload_resident=0.5`` / ``0.9``).
+The two-process DDP scenarios run this file as a script (``python tests/test_overlap_scenarios.py
+OUT``), as ``test_ddp.py`` runs ``ddp_fit.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same, run_script
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_models import make_data, torch_reference, trainer
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
+
+from lightning_offload_optim import OffloadAdamW, OffloadOptimizerMixin
+
+RESIDENT = [None, 0.5, 0.9]
+RESIDENT_IDS = ["offloaded", "resident-0.5", "resident-0.9"]
+
+
+# ----------------------------------------------------------------------------- helpers
+def reference_groups(module: nn.Module) -> list[dict[str, Any]]:
+    """The mixin's grouping written out independently: biases and norm parameters undecayed."""
+    decay, spared = [], []
+    for child in module.modules():
+        norm = isinstance(child, (nn.LayerNorm, nn.BatchNorm1d))
+        for name, param in child.named_parameters(recurse=False):
+            (spared if norm or name == "bias" else decay).append(param)
+    return [g for g in ({"params": decay}, {"params": spared, "weight_decay": 0.0}) if g["params"]]
+
+
+class Base(OffloadOptimizerMixin, pl.LightningModule):
+    """``optimizer="offload"``: the mixin with ``overlap_step=True`` on the staged pipeline;
+    ``"torch"``: torch fused AdamW over the same groups. Subclasses define ``build()``."""
+
+    def __init__(
+        self,
+        optimizer: str = "offload",
+        lr: float = 0.01,
+        weight_decay: float = 0.1,
+        offload_resident: float | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.save_hyperparameters({"overlap_step": optimizer == "offload"})
+        torch.manual_seed(0)
+        self.build()
+        self.val_losses: list[torch.Tensor] = []
+        self.train_losses: list[torch.Tensor] = []
+
+    def build(self) -> None:
+        raise NotImplementedError
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(16), batch_size=4)
+
+    def offload_optimizer_args(self) -> dict[str, Any]:
+        args = super().offload_optimizer_args()
+        args.update(force_staging=True, chunk_size=64)
+        return args
+
+    def configure_optimizers(self) -> Any:
+        if self.hparams.optimizer == "offload":
+            optimizer = super().configure_optimizers()
+            assert optimizer._overlapping() is not None
+            return optimizer
+        return torch_reference(
+            {
+                "params": reference_groups(self),
+                "lr": self.hparams.lr,
+                "weight_decay": self.hparams.weight_decay,
+            }
+        )
+
+
+def fit_pair(tmp_path: Path, cls: type[Base], resident=None, model_kwargs=None, **trainer_kwargs):
+    """Fit the overlapped offload variant and the torch reference alike; return both."""
+    models = []
+    for optimizer in ("offload", "torch"):
+        torch.manual_seed(123)  # the same dropout masks / shuffles for both runs
+        model = cls(
+            optimizer=optimizer,
+            offload_resident=resident if optimizer == "offload" else None,
+            **(model_kwargs or {}),
+        )
+        trainer(tmp_path / optimizer, **trainer_kwargs).fit(model)
+        models.append(model)
+    return models
+
+
+def assert_losses_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b) > 0
+    assert_same(a, b)
+
+
+# ------------------------------------------------------------- 1. validation between steps
+class Validated(Base):
+    """validation_step calls the submodules itself (the root's forward never runs in
+    validation); training_step goes through ``self(x)``."""
+
+    def build(self) -> None:
+        self.encoder = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU())
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.train_losses.append(loss.detach().clone())
+        return loss
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(8, seed=5), batch_size=4)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = F.mse_loss(self.head(self.encoder(x)), y)
+        self.val_losses.append(loss.detach().clone())
+        self.log("val_loss", loss)
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_validation_between_steps_sees_the_updated_weights(tmp_path, stream_order, resident):
+    offload, reference = fit_pair(
+        tmp_path, Validated, resident, max_steps=7, val_check_interval=2, limit_val_batches=2
+    )
+    stream_order.expect_none()
+    # The sanity check, then 2 validation batches after every 2 training batches: each
+    # validation loss equals torch's, computed with the weights after the same steps.
+    assert len(offload.val_losses) == 2 + 2 * 3
+    assert_losses_equal(offload.val_losses, reference.val_losses)
+    assert_losses_equal(offload.train_losses, reference.train_losses)
+    assert_same(
+        [offload.trainer.callback_metrics["val_loss"]],
+        [reference.trainer.callback_metrics["val_loss"]],
+    )
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+
+
+class ValidatedWithScale(Validated):
+    """As Validated, with a root-level parameter read inside the root's forward in training
+    and directly by validation_step."""
+
+    def build(self) -> None:
+        super().build()
+        self.scale = nn.Parameter(torch.ones(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x) * self.scale)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = F.mse_loss(self.head(self.encoder(x) * self.scale), y)
+        self.val_losses.append(loss.detach().clone())
+        self.log("val_loss", loss)
+
+
+def test_validation_reading_a_root_parameter_directly(tmp_path, stream_order):
+    """``scale`` is read by the root's forward in training, and directly by validation_step:
+    the mixin's on_validation_start orders validation after the last step's updates."""
+    offload, reference = fit_pair(
+        tmp_path, ValidatedWithScale, max_steps=6, val_check_interval=2, limit_val_batches=1
+    )
+    stream_order.expect_none()
+    assert_losses_equal(offload.val_losses, reference.val_losses)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+
+
+def test_without_the_wait_at_validation_start_validation_races_the_update(
+    tmp_path, stream_order, monkeypatch
+):
+    monkeypatch.setattr(OffloadOptimizerMixin, "on_validation_start", lambda self: None)
+    fit_pair(tmp_path, ValidatedWithScale, max_steps=4, val_check_interval=2, limit_val_batches=1)
+    assert any("_fused_adamw_" in v for v in stream_order.violations)
+    stream_order.violations.clear()
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_validation_inside_an_accumulation_window_checkpoints_and_resume(
+    tmp_path, stream_order, resident
+):
+    """Validation after 3 batches of windows of 2 (gradients of one batch accumulated, not
+    stepped yet), a checkpoint saved at each validation (monitor="val_loss"), and a resumed
+    run from the first one, against torch AdamW doing the same."""
+    kwargs = {
+        "max_steps": 5,
+        "accumulate_grad_batches": 2,
+        "val_check_interval": 3,
+        "limit_val_batches": 2,
+        "enable_checkpointing": True,
+    }
+    fitted, resumed = {}, {}
+    for optimizer in ("offload", "torch"):
+        folder = tmp_path / f"ckpt-{optimizer}"
+        saver = ModelCheckpoint(folder, "{step}", monitor="val_loss", save_top_k=-1)
+        model = Validated(
+            optimizer=optimizer, offload_resident=resident if optimizer == "offload" else None
+        )
+        trainer(tmp_path / optimizer, callbacks=[saver], **kwargs).fit(model)
+        fitted[optimizer] = model
+        again = Validated(
+            optimizer=optimizer, offload_resident=resident if optimizer == "offload" else None
+        )
+        trainer(tmp_path / f"{optimizer}-resumed", **{**kwargs, "enable_checkpointing": False}).fit(
+            again, ckpt_path=folder / "step=1.ckpt"
+        )
+        resumed[optimizer] = again
+    stream_order.expect_none()
+    offload, reference = fitted["offload"], fitted["torch"]
+    assert_losses_equal(offload.val_losses, reference.val_losses)
+    assert_losses_equal(offload.train_losses, reference.train_losses)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+    assert_losses_equal(resumed["offload"].val_losses, resumed["torch"].val_losses)
+    assert_same(list(resumed["offload"].parameters()), list(resumed["torch"].parameters()))
+
+
+# ---------------------------------------------------- 2. accumulation + clipping + bf16-mixed
+class Accumulated(Base):
+    def build(self) -> None:
+        self.net = nn.Sequential(
+            nn.Linear(8, 32),
+            nn.LayerNorm(32),
+            nn.GELU(),
+            nn.Linear(32, 16),
+            nn.GELU(),
+            nn.Linear(16, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x).float(), y)
+        self.train_losses.append(loss.detach().clone())
+        return loss
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+@pytest.mark.parametrize(
+    ("algorithm", "precision"),
+    [("norm", "bf16-mixed"), ("value", "bf16-mixed"), ("norm", "16-mixed")],
+    ids=["norm-bf16", "value-bf16", "norm-fp16-gradscaler"],
+)
+def test_accumulation_with_clipping_and_mixed_precision(
+    tmp_path, stream_order, resident, algorithm, precision
+):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def precision_kwargs() -> dict[str, Any]:  # a fresh GradScaler per Trainer
+        if precision == "16-mixed":  # on the CPU, fp16 autocast needs the plugin
+            return {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+        return {"precision": precision}
+
+    models = []
+    for optimizer in ("offload", "torch"):
+        model = Accumulated(
+            optimizer=optimizer, offload_resident=resident if optimizer == "offload" else None
+        )
+        trainer(
+            tmp_path / optimizer,
+            max_steps=5,
+            accumulate_grad_batches=3,
+            gradient_clip_val=0.05 if algorithm == "norm" else 0.01,
+            gradient_clip_algorithm=algorithm,
+            **precision_kwargs(),
+        ).fit(model)
+        models.append(model)
+    offload, reference = models
+    stream_order.expect_none()
+    assert_losses_equal(offload.train_losses, reference.train_losses)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+    steps = offload.trainer.optimizers[0].state_dict()["state"][0]["step"]
+    assert steps == reference.trainer.optimizers[0].state_dict()["state"][0]["step"] == 5
+
+
+# ------------------------------------------------------------- 3. activation checkpointing
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Checkpointed(Base):
+    """Blocks wrapped in non-reentrant activation checkpointing: their forward pre-hooks fire
+    again during the backward pass's recomputation."""
+
+    def build(self) -> None:
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([Block(16) for _ in range(3)])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.train_losses.append(loss.detach().clone())
+        return loss
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_activation_checkpointing_lightning(tmp_path, stream_order, resident):
+    offload, reference = fit_pair(tmp_path, Checkpointed, resident, max_steps=6)
+    stream_order.expect_none()
+    assert_losses_equal(offload.train_losses, reference.train_losses)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+
+
+class CheckpointedNet(nn.Module):
+    """Plain PyTorch: the whole middle (two blocks) recomputed in one checkpoint, and the
+    first block called twice (once inside the checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 16)
+        self.a = Block(16)
+        self.b = Block(16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(self.embed(x))
+        h = checkpoint(lambda t: self.b(self.a(t)), h, use_reentrant=False)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_activation_checkpointing_plain(stream_order, resident, set_to_none):
+    model, twin = CheckpointedNet(), CheckpointedNet()
+    optimizer = OffloadAdamW(
+        model.parameters(), lr=0.02, force_staging=True, chunk_size=64, resident=resident
+    )
+    optimizer.overlap_with(model)
+    torch_opt = torch.optim.AdamW(twin.parameters(), lr=0.02, fused=True)
+    generator = torch.Generator().manual_seed(7)
+    losses: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    for _ in range(5):
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+        for k, (net, opt) in enumerate(((model, optimizer), (twin, torch_opt))):
+            loss = F.mse_loss(net(x), y)
+            losses[k].append(loss.detach().clone())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+    stream_order.expect_none()
+    optimizer.wait_for_updates()
+    assert_losses_equal(losses[0], losses[1])
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+# ------------------------------------------- 4. an evaluation forward between step and forward
+class EvalNet(nn.Module):
+    """BatchNorm and dropout behave differently in eval mode; ``encoder`` is evaluated alone
+    as well."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(
+            nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 16)
+        )
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.encoder(x)))
+
+
+def eval_loop(model, optimizer, mode: str) -> list[torch.Tensor]:
+    torch.manual_seed(11)  # dropout masks
+    generator = torch.Generator().manual_seed(3)
+    x_val = torch.randn(6, 8, generator=generator)
+    metrics = []
+    for _ in range(5):
+        x = torch.randn(8, 8, generator=generator)
+        target = torch.randint(0, 3, (8,), generator=generator)
+        model.train()
+        F.cross_entropy(model(x), target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.eval()
+        context = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+        with context:
+            if mode == "submodule":
+                metrics.append(model.encoder(x_val).norm().clone())
+            else:
+                logits = model(x_val)
+                metrics.append((logits.argmax(-1) == 1).float().mean().clone())
+                metrics.append(logits.logsumexp(-1).mean().clone())
+    return metrics
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "submodule"])
+def test_an_evaluation_forward_between_step_and_next_forward(stream_order, resident, mode):
+    model, twin = EvalNet(), EvalNet()
+    optimizer = OffloadAdamW(
+        model.parameters(), lr=0.05, force_staging=True, chunk_size=64, resident=resident
+    )
+    optimizer.overlap_with(model)
+    ours = eval_loop(model, optimizer, mode)
+    theirs = eval_loop(twin, torch.optim.AdamW(twin.parameters(), lr=0.05, fused=True), mode)
+    stream_order.expect_none()
+    assert_same(ours, theirs)
+    optimizer.wait_for_updates()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert_same(list(model.buffers()), list(twin.buffers()))
+
+
+class SmallNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 32)
+        self.norm = nn.LayerNorm(32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.norm(self.inp(x))))
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_bf16_parameters_evaluated_between_steps(stream_order, resident):
+    """bf16 parameters (fp32 master copies, a gradient scratch in the staging buffers) against
+    torch fused AdamW on fp32 masters whose bf16 rounding computes the same gradients."""
+    model, twin = SmallNet().to(torch.bfloat16), SmallNet().to(torch.bfloat16)
+    masters = [nn.Parameter(p.detach().float()) for p in twin.parameters()]
+    optimizer = OffloadAdamW(
+        model.parameters(), lr=0.05, force_staging=True, chunk_size=64, resident=resident
+    )
+    optimizer.overlap_with(model)
+    torch_opt = torch.optim.AdamW(masters, lr=0.05, fused=True)
+    generator = torch.Generator().manual_seed(4)
+    x_val = torch.randn(5, 8, generator=generator, dtype=torch.bfloat16)
+    ours, theirs = [], []
+    for _ in range(5):
+        x = torch.randn(6, 8, generator=generator, dtype=torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        twin(x).float().pow(2).mean().backward()
+        for p, m in zip(twin.parameters(), masters, strict=True):
+            m.grad = p.grad.float()
+        torch_opt.step()
+        with torch.no_grad():
+            for p, m in zip(twin.parameters(), masters, strict=True):
+                p.copy_(m)
+                p.grad = None
+            ours.append(model(x_val).clone())
+            theirs.append(twin(x_val).clone())
+    stream_order.expect_none()
+    assert_same(ours, theirs)
+    optimizer.wait_for_updates()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    for p, m in zip(model.parameters(), masters, strict=True):
+        assert_same([optimizer.offloaded_state(p)["master_param"]], [m])
+
+
+# --------------------------------- 5. a root-level parameter, a module reused, a changing forward
+class RootParameter(Base):
+    """training_step reads a root-level parameter itself and calls a submodule (the root's
+    forward never runs); ``shared`` is called twice; ``extra`` runs on some steps only, in
+    front of the rest (so the forward's order changes after the first step)."""
+
+    def build(self) -> None:
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.extra = nn.Linear(8, 8)
+        self.inp = nn.Linear(8, 16)
+        self.shared = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 1)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(torch.tanh(self.shared(torch.tanh(self.inp(x)))))
+        return self.out(self.norm(h))
+
+    def uses_extra(self) -> bool:
+        return self.global_step % 2 == self.hparams.extra_on
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = x * self.scale
+        if self.uses_extra():
+            x = torch.tanh(self.extra(x))
+        loss = F.mse_loss(self.body(x), y)
+        self.train_losses.append(loss.detach().clone())
+        return loss
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+@pytest.mark.parametrize("extra_on", [0, 1], ids=["even-steps", "odd-steps"])
+def test_root_parameter_reused_module_and_a_branch_on_some_steps(
+    tmp_path, stream_order, resident, extra_on
+):
+    offload, reference = fit_pair(
+        tmp_path, RootParameter, resident, {"extra_on": extra_on}, max_steps=7
+    )
+    stream_order.expect_none()
+    assert_losses_equal(offload.train_losses, reference.train_losses)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+    state = offload.trainer.optimizers[0].state
+    assert state[offload.extra.weight]["step"] == (4 if extra_on == 0 else 3)
+    assert state[offload.scale]["step"] == 7
+
+
+# --------------------------------------------------------------- 6. manual optimization
+class Manual(Base):
+    """Manual optimization: two ``step()`` calls per batch on disjoint sets of parameters
+    (first the head on detached features, then the encoder through the updated head), and a
+    scheduler stepping a tensor lr after each step. ``two_optimizers``: the two sets have
+    optimizers of their own, both overlapping this module."""
+
+    def build(self) -> None:
+        self.automatic_optimization = False
+        self.encoder = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU())
+        self.head = nn.Linear(32, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizers = self.optimizers()
+        schedulers = self.lr_schedulers()
+        if not isinstance(optimizers, list):
+            optimizers, schedulers = [optimizers, optimizers], [schedulers, schedulers]
+        head_opt, encoder_opt = optimizers
+        x, y = batch
+        loss = F.mse_loss(self.head(self.encoder(x).detach()), y)  # head gradients only
+        head_opt.zero_grad()
+        self.manual_backward(loss)
+        head_opt.step()
+        schedulers[0].step()
+        self.train_losses.append(loss.detach().clone())
+        loss = F.mse_loss(self.head(self.encoder(x)), y)  # reads the updated head
+        encoder_opt.zero_grad()
+        self.manual_backward(loss)
+        for p in self.head.parameters():
+            p.grad = None  # the second step updates the encoder only
+        self.clip_gradients(encoder_opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        encoder_opt.step()
+        schedulers[1].step()
+        self.train_losses.append(loss.detach().clone())
+
+    def configure_optimizers(self) -> Any:
+        offload = self.hparams.optimizer == "offload"
+
+        def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            lr = torch.tensor(0.02)
+            if offload:
+                opt = OffloadAdamW(
+                    groups,
+                    lr=lr,
+                    weight_decay=0.1,
+                    force_staging=True,
+                    chunk_size=64,
+                    resident=self.hparams.offload_resident,
+                )
+                opt.overlap_with(self)
+                return opt
+            return torch_reference({"params": groups, "lr": lr, "weight_decay": 0.1})
+
+        head = {"params": list(self.head.parameters())}
+        encoder = {"params": list(self.encoder.parameters()), "weight_decay": 0.05}
+        if self.hparams.two_optimizers:
+            optimizers = [make([head]), make([encoder])]
+        else:  # one optimizer, two disjoint param groups stepped one at a time
+            optimizers = [make([head, encoder])]
+        schedulers = [torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.7) for o in optimizers]
+        return optimizers, schedulers
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+@pytest.mark.parametrize("two_optimizers", [False, True], ids=["one-optimizer", "two-optimizers"])
+def test_manual_optimization_two_steps_per_batch_and_tensor_lr(
+    tmp_path, stream_order, resident, two_optimizers
+):
+    offload, reference = fit_pair(
+        tmp_path, Manual, resident, {"two_optimizers": two_optimizers}, max_steps=8
+    )
+    stream_order.expect_none()
+    assert_losses_equal(offload.train_losses, reference.train_losses)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+    ours = [float(g["lr"]) for o in offload.trainer.optimizers for g in o.param_groups]
+    theirs = [float(g["lr"]) for o in reference.trainer.optimizers for g in o.param_groups]
+    assert ours == theirs and ours[0] < 0.02
+
+
+# ------------------------------------------------------------------------------- 7. DDP
+class AuxiliaryHead(Base):
+    """An auxiliary loss head used on even steps only: last in the forward order, so its state
+    is in the last chunks of each step, and no module of an odd step's forward waits for them."""
+
+    def build(self) -> None:
+        self.inp = nn.Linear(8, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+        self.aux = nn.Linear(16, 8)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = torch.tanh(self.body(torch.tanh(self.inp(x))))
+        loss = F.mse_loss(self.head(h), y)
+        if self.global_step % 2 == 0:
+            loss = loss + 0.1 * self.aux(h).pow(2).mean()
+        self.train_losses.append(loss.detach().clone())
+        return loss
+
+
+def ddp_scenarios() -> dict[str, dict[str, Any]]:
+    """A fresh dict per fit: a strategy object belongs to one Trainer."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return {
+        "validation": {
+            "model": Validated,
+            "resident": 0.5,
+            "trainer": {
+                "strategy": "ddp",
+                "max_steps": 5,
+                "val_check_interval": 2,
+                "limit_val_batches": 1,
+                "num_sanity_val_steps": 0,
+                "gradient_clip_val": 0.05,
+            },
+        },
+        "bucket-view": {
+            "model": AuxiliaryHead,
+            "resident": None,
+            "trainer": {
+                "strategy": DDPStrategy(find_unused_parameters=True, gradient_as_bucket_view=True),
+                "max_steps": 5,
+            },
+        },
+    }
+
+
+def ddp_main(out: Path) -> None:
+    """Run by ``ddp_results`` (and, for rank 1, by Lightning's DDP launcher): fit each scenario
+    with the overlapped offload variant (under the stream-ordering checker) and with torch."""
+    from stream_checker import StreamChecker
+
+    results: dict[str, Any] = {}
+    rank = 0
+    for name in ddp_scenarios():
+        results[name] = {}
+        for optimizer in ("offload", "torch"):
+            scenario = ddp_scenarios()[name]
+            torch.manual_seed(123)
+            resident = scenario["resident"] if optimizer == "offload" else None
+            model = scenario["model"](optimizer=optimizer, offload_resident=resident)
+            fit = trainer(
+                out / name / optimizer,
+                devices=2,
+                use_distributed_sampler=True,
+                **scenario["trainer"],
+            )
+            with StreamChecker() as checker:
+                fit.fit(model)
+            rank = fit.global_rank
+            results[name][optimizer] = {
+                "params": [p.detach().clone() for p in model.parameters()],
+                "losses": model.train_losses,
+                "val": model.val_losses,
+                "steps": int(fit.optimizers[0].state_dict()["state"][0]["step"]),
+                "violations": checker.violations[:10],
+            }
+    torch.save(results, out / f"rank{rank}.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("ddp")
+    run_script(Path(__file__).name, out, timeout=600)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+def check_ddp(ranks: list[dict[str, Any]], name: str) -> None:
+    for result in ranks:
+        offload, reference = result[name]["offload"], result[name]["torch"]
+        assert_same(offload["params"], reference["params"])
+        assert_losses_equal(offload["losses"], reference["losses"])
+        assert_same(offload["val"], reference["val"])
+        assert offload["steps"] == reference["steps"] == 5
+        assert reference["violations"] == []
+        assert offload["violations"] == []
+    assert_same(ranks[0][name]["offload"]["params"], ranks[1][name]["offload"]["params"])
+
+
+def test_ddp_two_processes_validation_clipping_resident(ddp_results):
+    check_ddp(ddp_results, "validation")
+
+
+# With DDP(gradient_as_bucket_view=True) each ``param.grad`` is a view of DDP's persistent
+# gradient bucket: dropping it frees nothing, and the next backward's reducer zeroes the slots
+# of parameters the forward skipped and all-reduces the whole bucket while the last step's
+# update of ``aux`` (last in forward order, waited for by no module of an odd step's forward)
+# may still read it. The gradient hook of ForwardOverlap orders the backward after the updates.
+def test_ddp_gradient_as_bucket_view_with_a_parameter_unused_on_some_steps(ddp_results):
+    check_ddp(ddp_results, "bucket-view")
+
+
+class BranchNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 8)
+        self.aux = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        h = self.body(x)
+        return h + self.aux(h) if use_aux else h
+
+
+def train_under_ddp(tmp_path: Path, bucket_view: bool) -> tuple[BranchNet, BranchNet]:
+    """One process, no Lightning: ``aux`` is used on even steps only; returns the overlapped
+    offload model and the torch twin after three steps."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model, twin = BranchNet(), BranchNet()
+        runs = []
+        for net, opt in (
+            (model, OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)),
+            (twin, torch.optim.AdamW(twin.parameters(), fused=True)),
+        ):
+            if isinstance(opt, OffloadAdamW):
+                opt.overlap_with(net)
+            wrapped = DDP(net, find_unused_parameters=True, gradient_as_bucket_view=bucket_view)
+            runs.append((wrapped, opt))
+        for step in range(3):
+            for wrapped, opt in runs:
+                wrapped(torch.ones(2, 8), step % 2 == 0).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        runs[0][1].wait_for_updates()
+    finally:
+        dist.destroy_process_group()
+    return model, twin
+
+
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["grad-copies", "bucket-view"])
+def test_ddp_with_a_parameter_unused_on_some_steps(tmp_path, stream_order, bucket_view):
+    model, twin = train_under_ddp(tmp_path, bucket_view)
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    stream_order.expect_none()
+
+
+def test_without_the_gradient_hook_ddp_buckets_race_the_update(tmp_path, stream_order, monkeypatch):
+    from lightning_offload_optim.overlap import ForwardOverlap
+
+    monkeypatch.setattr(ForwardOverlap, "_before_gradient", lambda self, grad: None)
+    train_under_ddp(tmp_path, bucket_view=True)
+    assert any("_fused_adamw_" in v for v in stream_order.violations)
+    stream_order.violations.clear()
+
+
+if __name__ == "__main__":
+    ddp_main(Path(sys.argv[1]))
