@@ -531,3 +531,44 @@ def test_the_next_steps_first_copies_run_during_the_backward_pass():
     optimizer.step()  # uses those copies
     optimizer.wait_for_updates()
     assert not torch.isnan(next(model.parameters())).any()
+
+
+def test_ddp_bucket_views_with_a_head_skipped_on_odd_steps_match_torch_on_cuda(tmp_path):
+    """DistributedDataParallel(gradient_as_bucket_view=True) keeps gradients in persistent
+    buckets: the next backward zeroes and all-reduces the slot of a head the forward skipped,
+    while the overlapped update of the step before may still read it. 1-rank NCCL, overlapped
+    against torch fused AdamW under the same DDP."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class WithAuxiliaryHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stack = Stack()
+            self.aux = nn.Linear(1024, 4096)  # last in forward order: its chunks come last
+
+        def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+            loss = self.stack(x)
+            return loss + self.aux(x).pow(2).mean() if use_aux else loss
+
+    def train(model: nn.Module, optimizer) -> None:
+        wrapped = DDP(model, find_unused_parameters=True, gradient_as_bucket_view=True)
+        generator = torch.Generator(device=CUDA).manual_seed(0)
+        for step in range(4):
+            x = torch.randn(2048, 1024, device=CUDA, generator=generator)
+            wrapped(x, step % 2 == 0).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"file://{tmp_path}/rdv")
+    try:
+        ours = WithAuxiliaryHead().to(CUDA)
+        theirs = copy.deepcopy(ours)
+        offload = OffloadAdamW(ours.parameters(), lr=1e-3, chunk_size=CHUNK)
+        offload.overlap_with(ours)
+        train(ours, offload)
+        train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-3, fused=True))
+        assert_same(list(ours.state_dict().values()), list(theirs.state_dict().values()))
+    finally:
+        dist.destroy_process_group()
