@@ -15,6 +15,12 @@ Memory is the host's if ``host_state.host_empty`` allocated it (the optimizer's 
 everything else counts as device memory. An op touching only host memory runs on the host; any
 other op is queued on the current simulated stream, and the host waits for it when it touches
 host memory without ``non_blocking=True`` (a synchronous copy) or returns a Python value.
+
+Accesses are recorded per storage address. An op's fresh output starts a new history; so does any
+access through a storage other than the one that last used the address: memory is also allocated
+where no op output shows it (FSDP2 regrows parameter storage with ``untyped_storage().resize_()``),
+and the CPU's malloc hands freed memory out again at once, where the caching allocator would hold
+it until the streams named by ``record_stream`` are done with it (not simulated here).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -144,6 +151,7 @@ class StreamChecker:
         self.host: Clock = {HOST: 0}
         self.host_storages: set[int] = set()
         self.history: dict[int, list[Access]] = {}
+        self.owners: dict[int, StorageWeakRef] = {}  # per address, the storage last seen there
         self.violations: list[str] = []
         self._stack = contextlib.ExitStack()
 
@@ -162,7 +170,7 @@ class StreamChecker:
 
         def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
             buffer = real_host_empty(numel, dtype)
-            key = buffer.untyped_storage().data_ptr()
+            key = self._claim(buffer.untyped_storage())
             self.host_storages.add(key)
             self.history.pop(key, None)  # fresh host memory: no earlier users
             return buffer
@@ -205,6 +213,8 @@ class StreamChecker:
         tensors = [t for t, _ in accesses] + outputs
         if not tensors:
             return
+        for tensor in tensors:
+            self._claim(tensor.untyped_storage())
         touches_host = any(self._is_host(t) for t in tensors)
         on_host = all(self._is_host(t) for t in tensors)
         for tensor in outputs:  # fresh memory: forget what earlier owners of the bytes did
@@ -226,6 +236,17 @@ class StreamChecker:
         returns_value = any(isinstance(v, (bool, int, float, complex)) for v in values)
         if not on_host and (blocking or returns_value):
             self.host = _join(self.host, clock)  # the host waits for this op
+
+    def _claim(self, storage: torch.UntypedStorage) -> int:
+        """The address of ``storage``; if another storage used it last (since freed, or moved
+        by a resize), what that one did is forgotten: the memory was allocated anew."""
+        key = storage.data_ptr()
+        owner = self.owners.get(key)
+        if owner is None or owner.expired() or owner.cdata != storage._cdata:
+            self.history.pop(key, None)
+            self.host_storages.discard(key)
+            self.owners[key] = StorageWeakRef(storage)
+        return key
 
     def _is_host(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self.host_storages
