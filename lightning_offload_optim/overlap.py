@@ -9,11 +9,11 @@ parameters after their update, on the device (the host never blocks):
   streams); it runs before other pre-hooks, FSDP2's all-gather among them;
 - the root module's pre-hook also waits for optimized parameters that no module of the tree
   owns (used functionally), and its ``state_dict`` pre-hook waits for all (checkpoints);
-- the first gradient the next backward pass computes for a stepped parameter waits for all
-  updates (a hook on each stepped parameter): the backward may write gradients the updates
-  still read, and not only where a gradient was kept: ``DistributedDataParallel(
+- the first gradient the next backward pass computes for any parameter of the module (or any
+  stepped one) waits for all updates: the backward may write gradients the updates still
+  read, and not only where a gradient was kept: ``DistributedDataParallel(
   gradient_as_bucket_view=True)`` zeroes and all-reduces its persistent gradient buckets, the
-  slots of parameters the forward skipped included;
+  slots of parameters the forward skipped included, as soon as the first gradient arrives;
 - ``zero_grad(set_to_none=False)``, ``load_state_dict`` and reads of the host state wait for
   everything (the optimizer calls :meth:`ForwardOverlap.wait_all` or the pipeline does), and
   the next ``step()`` queues its updates after these on the same stream;
@@ -84,6 +84,7 @@ class ForwardOverlap:
                     child.register_forward_pre_hook(lambda _m, _a, hook=hook: hook(), prepend=True)
                 )
         self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
+        self._hook_gradients(module.parameters())
         self._handles.append(module.register_forward_hook(lambda *_: self._after_forward()))
 
     def _after_forward(self) -> None:
@@ -120,10 +121,7 @@ class ForwardOverlap:
         passes before it, or in any before (they stay "early": read before any hook)."""
         current = {param: (event, device) for param, event, device in updates}
         self.pending.update(current)  # a parameter without a gradient keeps its last event
-        for param in current:  # stepped, so it requires a gradient
-            if id(param) not in self._gradient_hooked:
-                self._gradient_hooked.add(id(param))
-                self._handles.append(param.register_hook(self._before_gradient))
+        self._hook_gradients(current)  # parameters unfrozen or outside the module since
         reached, self._reached = self._reached, set()
         if not reached:  # no forward pass seen: nothing is known to wait later
             self.wait_all()
@@ -133,6 +131,14 @@ class ForwardOverlap:
             self.early |= unreached
             self.early_version += 1
         self._wait(p for p in current if id(p) in self.early)
+
+    def _hook_gradients(self, params: Iterable[Tensor]) -> None:
+        """Hook :meth:`_before_gradient` on those of ``params`` that can get a gradient and
+        have no hook yet (a parameter frozen now is hooked once it is stepped again)."""
+        for param in params:
+            if param.requires_grad and id(param) not in self._gradient_hooked:
+                self._gradient_hooked.add(id(param))
+                self._handles.append(param.register_hook(self._before_gradient))
 
     def _before_gradient(self, _grad: Tensor) -> None:
         """A backward pass computed a stepped parameter's gradient: before it (or DDP's

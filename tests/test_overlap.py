@@ -317,3 +317,24 @@ def test_forward_patterns_that_change_between_steps(stream_order, pattern):
     stream_order.expect_none()
     optimizer.wait_for_updates()
     assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_a_parameter_frozen_between_backward_and_step(stream_order):
+    """torch.optim steps a parameter that has a gradient even when it no longer requires one
+    (frozen by a callback after backward): the overlap must not fail to hook it."""
+    model, reference = Net(), Net()
+    model.twice.requires_grad_(False)  # frozen when the overlap starts: not hooked then
+    optimizer = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    optimizer.overlap_with(model)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    tokens = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(2))
+    for net, opt in ((model, optimizer), (reference, torch_opt)):
+        for step in range(3):
+            net.twice.requires_grad_(True)
+            net(tokens).logsumexp(-1).mean().backward()
+            net.twice.requires_grad_(step == 2)  # frozen after the first backward
+            opt.step()
+            opt.zero_grad()
+    stream_order.expect_none()
+    optimizer.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))

@@ -172,7 +172,7 @@ class ValidatedWithScale(Validated):
 
 def test_validation_reading_a_root_parameter_directly(tmp_path, stream_order):
     """``scale`` is read by the root's forward in training, and directly by validation_step:
-    the mixin's on_validation_start orders validation after the last step's updates."""
+    the mixin's on_validation_model_eval orders validation after the last step's updates."""
     offload, reference = fit_pair(
         tmp_path, ValidatedWithScale, max_steps=6, val_check_interval=2, limit_val_batches=1
     )
@@ -184,10 +184,63 @@ def test_validation_reading_a_root_parameter_directly(tmp_path, stream_order):
 def test_without_the_wait_at_validation_start_validation_races_the_update(
     tmp_path, stream_order, monkeypatch
 ):
-    monkeypatch.setattr(OffloadOptimizerMixin, "on_validation_start", lambda self: None)
+    monkeypatch.setattr(
+        OffloadOptimizerMixin,
+        "on_validation_model_eval",
+        pl.LightningModule.on_validation_model_eval,
+    )
     fit_pair(tmp_path, ValidatedWithScale, max_steps=4, val_check_interval=2, limit_val_batches=1)
     assert any("_fused_adamw_" in v for v in stream_order.violations)
     stream_order.violations.clear()
+
+
+class ReadsWeightsAtValidationStart(pl.Callback):
+    """Callbacks' on_validation_start hooks run before the module's."""
+
+    def __init__(self) -> None:
+        self.norms: list[torch.Tensor] = []
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.norms.append(torch.stack([p.detach().norm() for p in pl_module.parameters()]))
+
+
+def test_a_callback_reading_the_weights_at_validation_start(tmp_path, stream_order):
+    norms = []
+    for optimizer in ("offload", "torch"):
+        reader = ReadsWeightsAtValidationStart()
+        trainer(
+            tmp_path / optimizer,
+            max_steps=4,
+            val_check_interval=2,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            callbacks=[reader],
+        ).fit(Validated(optimizer=optimizer))
+        norms.append(reader.norms)
+    stream_order.expect_none()
+    assert len(norms[0]) == 2
+    assert_same(norms[0], norms[1])
+
+
+def test_weight_averaging_callbacks_turn_the_overlap_off(tmp_path, stream_order):
+    """EMAWeightAveraging reads the weights in on_train_batch_end, right after each step and
+    before this module's hooks: the mixin turns the overlap off (with a warning), and the
+    averaged model equals the reference's."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    models = []
+    for optimizer in ("offload", "torch"):
+        model = Validated(optimizer=optimizer)
+        fit = trainer(tmp_path / optimizer, max_steps=5, callbacks=[EMAWeightAveraging(decay=0.5)])
+        if optimizer == "offload":
+            with pytest.warns(UserWarning, match="overlap_step is turned off: EMAWeightAveraging"):
+                fit.fit(model)
+            assert fit.optimizers[0]._overlapping() is None
+        else:
+            fit.fit(model)
+        models.append(model)  # on_train_end copied the average into the model
+    stream_order.expect_none()
+    assert_same(list(models[0].parameters()), list(models[1].parameters()))
 
 
 @pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
@@ -735,9 +788,27 @@ class BranchNet(nn.Module):
         return h + self.aux(h) if use_aux else h
 
 
-def train_under_ddp(tmp_path: Path, bucket_view: bool) -> tuple[BranchNet, BranchNet]:
-    """One process, no Lightning: ``aux`` is used on even steps only; returns the overlapped
-    offload model and the torch twin after three steps."""
+class TwoHeads(nn.Module):
+    """Head ``a`` on even steps, ``b`` on odd ones: the first gradient of step 1's backward is
+    ``b``'s, a parameter never stepped before, while DDP zeroes ``a``'s bucket slot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, even: bool) -> torch.Tensor:
+        h = self.body(x)
+        return self.a(h) if even else self.b(h)
+
+
+def train_under_ddp(
+    tmp_path: Path, bucket_view: bool, net_class: type[nn.Module] = BranchNet
+) -> tuple[nn.Module, nn.Module]:
+    """One process, no Lightning, a forward that differs between even and odd steps; returns
+    the overlapped offload model and the torch twin after three steps."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -745,7 +816,7 @@ def train_under_ddp(tmp_path: Path, bucket_view: bool) -> tuple[BranchNet, Branc
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
     try:
-        model, twin = BranchNet(), BranchNet()
+        model, twin = net_class(), net_class()
         runs = []
         for net, opt in (
             (model, OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)),
@@ -766,9 +837,10 @@ def train_under_ddp(tmp_path: Path, bucket_view: bool) -> tuple[BranchNet, Branc
     return model, twin
 
 
+@pytest.mark.parametrize("net_class", [BranchNet, TwoHeads], ids=["branch", "two-heads"])
 @pytest.mark.parametrize("bucket_view", [False, True], ids=["grad-copies", "bucket-view"])
-def test_ddp_with_a_parameter_unused_on_some_steps(tmp_path, stream_order, bucket_view):
-    model, twin = train_under_ddp(tmp_path, bucket_view)
+def test_ddp_with_a_parameter_unused_on_some_steps(tmp_path, stream_order, bucket_view, net_class):
+    model, twin = train_under_ddp(tmp_path, bucket_view, net_class)
     assert_same(list(model.parameters()), list(twin.parameters()))
     stream_order.expect_none()
 

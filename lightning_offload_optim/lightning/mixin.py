@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 import weakref
 from typing import Any, ClassVar
 
@@ -85,8 +86,10 @@ class OffloadOptimizerMixin:
     ``Norm`` (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``...), and parameters whose own
     name contains ``norm``. Override :meth:`offload_optimizer_args` to change groups or
     arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
-    run follows the current Trainer's length. With ``overlap_step``, ``on_validation_start``
-    and ``on_train_end`` wait for the queued updates: call ``super()`` where you override them.
+    run follows the current Trainer's length. With ``overlap_step``, ``on_validation_model_eval``
+    and ``on_train_end`` wait for the queued updates, and ``on_fit_start`` turns the overlap off
+    where a weight-averaging callback reads the weights after each step: call ``super()`` where
+    you override them.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -202,11 +205,31 @@ class OffloadOptimizerMixin:
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
 
-    def on_validation_start(self) -> None:
+    def on_fit_start(self) -> None:
+        """Turn ``overlap_step`` off, with a warning, where a callback averages the weights right
+        after the steps (Lightning's ``WeightAveraging``, ``EMAWeightAveraging``,
+        ``StochasticWeightAveraging``): callbacks run before this module's hooks, so it would
+        read weights still being updated, and waiting for them first leaves nothing to overlap."""
+        trainer = getattr(self, "_trainer", None)
+        averaging = _weight_averaging_callbacks(trainer.callbacks if trainer is not None else [])
+        for optimizer in trainer.optimizers if averaging else []:
+            overlap = optimizer._overlapping() if isinstance(optimizer, OffloadAdamW) else None
+            if overlap is not None:
+                overlap.remove()
+                warnings.warn(
+                    f"overlap_step is turned off: {type(averaging[0]).__name__} reads the "
+                    "weights right after each optimizer step, before the next forward pass "
+                    "could overlap the step.",
+                    stacklevel=2,
+                )
+        super().on_fit_start()  # type: ignore[misc]
+
+    def on_validation_model_eval(self) -> None:
         """With ``overlap_step``, order validation (whose steps may read parameters without the
-        forward hooks, a root parameter say) after the last step's updates."""
+        forward hooks, a root parameter say) after the last step's updates; Lightning calls
+        this hook before any ``on_validation_start``, the callbacks' included."""
         self._wait_for_offload_updates()
-        super().on_validation_start()  # type: ignore[misc]
+        super().on_validation_model_eval()  # type: ignore[misc]
 
     def on_train_end(self) -> None:
         """With ``overlap_step``, order what reads the weights after training (Lightning moves
@@ -228,6 +251,18 @@ class OffloadOptimizerMixin:
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_metadata(checkpoint)
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+
+
+def _weight_averaging_callbacks(callbacks: list[Any]) -> list[Any]:
+    """Those of ``callbacks`` that read the weights right after optimizer steps."""
+    import lightning.pytorch.callbacks as lightning_callbacks
+
+    kinds = tuple(
+        getattr(lightning_callbacks, name)
+        for name in ("WeightAveraging", "StochasticWeightAveraging")  # the first: newer Lightning
+        if hasattr(lightning_callbacks, name)
+    )
+    return [c for c in callbacks if isinstance(c, kinds)]
 
 
 def split_groups_added_later(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
