@@ -138,7 +138,9 @@ class ForwardOverlap:
         for param in params:
             if param.requires_grad and id(param) not in self._gradient_hooked:
                 self._gradient_hooked.add(id(param))
-                self._handles.append(param.register_hook(self._before_gradient))
+                hook = functools.partial(type(self)._before_gradient, self)
+                hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
+                self._handles.append(param.register_hook(hook))
 
     def _before_gradient(self, _grad: Tensor) -> None:
         """A backward pass computed a stepped parameter's gradient: before it (or DDP's
