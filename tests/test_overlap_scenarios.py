@@ -106,6 +106,13 @@ def assert_losses_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert_same(a, b)
 
 
+def assert_trained_alike(offload: Base, reference: Base, stream_order) -> None:
+    """Every access ordered, and the same training losses and weights as the reference."""
+    stream_order.expect_none()
+    assert_losses_equal(offload.train_losses, reference.train_losses)
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+
+
 # ------------------------------------------------------------- 1. validation between steps
 class Validated(Base):
     """validation_step calls the submodules itself (the root's forward never runs in
@@ -335,9 +342,7 @@ def test_accumulation_with_clipping_and_mixed_precision(
         ).fit(model)
         models.append(model)
     offload, reference = models
-    stream_order.expect_none()
-    assert_losses_equal(offload.train_losses, reference.train_losses)
-    assert_same(list(offload.parameters()), list(reference.parameters()))
+    assert_trained_alike(offload, reference, stream_order)
     steps = offload.trainer.optimizers[0].state_dict()["state"][0]["step"]
     assert steps == reference.trainer.optimizers[0].state_dict()["state"][0]["step"] == 5
 
@@ -379,9 +384,7 @@ class Checkpointed(Base):
 @pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
 def test_activation_checkpointing_lightning(tmp_path, stream_order, resident):
     offload, reference = fit_pair(tmp_path, Checkpointed, resident, max_steps=6)
-    stream_order.expect_none()
-    assert_losses_equal(offload.train_losses, reference.train_losses)
-    assert_same(list(offload.parameters()), list(reference.parameters()))
+    assert_trained_alike(offload, reference, stream_order)
 
 
 class CheckpointedNet(nn.Module):
@@ -573,9 +576,7 @@ def test_root_parameter_reused_module_and_a_branch_on_some_steps(
     offload, reference = fit_pair(
         tmp_path, RootParameter, resident, {"extra_on": extra_on}, max_steps=7
     )
-    stream_order.expect_none()
-    assert_losses_equal(offload.train_losses, reference.train_losses)
-    assert_same(list(offload.parameters()), list(reference.parameters()))
+    assert_trained_alike(offload, reference, stream_order)
     state = offload.trainer.optimizers[0].state
     assert state[offload.extra.weight]["step"] == (4 if extra_on == 0 else 3)
     assert state[offload.scale]["step"] == 7
@@ -652,9 +653,7 @@ def test_manual_optimization_two_steps_per_batch_and_tensor_lr(
     offload, reference = fit_pair(
         tmp_path, Manual, resident, {"two_optimizers": two_optimizers}, max_steps=8
     )
-    stream_order.expect_none()
-    assert_losses_equal(offload.train_losses, reference.train_losses)
-    assert_same(list(offload.parameters()), list(reference.parameters()))
+    assert_trained_alike(offload, reference, stream_order)
     ours = [float(g["lr"]) for o in offload.trainer.optimizers for g in o.param_groups]
     theirs = [float(g["lr"]) for o in reference.trainer.optimizers for g in o.param_groups]
     assert ours == theirs and ours[0] < 0.02
