@@ -143,7 +143,7 @@ class ForwardOverlap:
                 self._handles.append(param.register_hook(hook))
 
     def _before_gradient(self, _grad: Tensor) -> None:
-        """A backward pass computed a stepped parameter's gradient: before it (or DDP's
+        """A backward pass computed a hooked parameter's gradient: before it (or DDP's
         reducer) writes any gradient, order its stream after every queued update."""
         if self.pending:
             self.wait_all()
