@@ -158,7 +158,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._interrupted: str | None = None
         self._overlap: ForwardOverlap | None = None
         self._overlap_finalizer: weakref.finalize | None = None
-        self._resident_for: tuple[int, ...] = ()
+        self._resident_for: tuple[weakref.ref[Arena], ...] = ()
         self._next_chunks: list[Chunk] = []
         self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
 
@@ -286,7 +286,7 @@ class OffloadAdamW(torch.optim.AdamW):
     def _choose_resident(self) -> None:
         """Pick the resident prefixes when the arenas changed since the last choice."""
         arenas = [a for a in self._host.arenas if self._pipeline.stages(a.device)]
-        key = tuple(id(a) for a in arenas)
+        key = tuple(weakref.ref(a) for a in arenas)  # ids of dead arenas may be reused
         if key == self._resident_for:
             return
         ends: dict[int, list[int]] = {id(a): [] for a in arenas}
@@ -501,7 +501,8 @@ class OffloadAdamW(torch.optim.AdamW):
         """torch.optim.AdamW's format, loadable by it: per parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (and ``max_exp_avg_sq``), plus ``master_param`` for bf16/fp16 params.
 
-        The moments are fp32 views of the host buffers, as torch returns references to its state;
+        The moments are fp32 views of the host buffers, as torch returns references to its state
+        (what is written through them before the next ``step()`` is what that step uses);
         for DTensor parameters they are DTensors with the parameter's mesh, placements, global
         shape and stride over this rank's host buffers, as torch AdamW's DTensor state is.
         """
@@ -517,6 +518,9 @@ class OffloadAdamW(torch.optim.AdamW):
             return state_dict
         state_dict[FORMAT_KEY] = FORMAT_VERSION  # torch's AdamW ignores extra top-level keys
         self._pipeline.wait_host()
+        # The caller may write through the views (a checkpoint loaded in place): the next step
+        # reloads resident state from them.
+        self._pipeline.host_written()
         saved_params = (i for group in state_dict["param_groups"] for i in group["params"])
         params = (p for group in self.param_groups for p in group["params"])
         for index, param in zip(saved_params, params, strict=True):
@@ -645,6 +649,7 @@ class OffloadAdamW(torch.optim.AdamW):
         else:
             self._host.adopt(slots)
         self._plans.clear()
+        self._next_chunks = []  # they may hold arenas just dropped (and their resident buffers)
         for m in matched:
             # A copy (steps advance in place); fused or capturable AdamW saves them on the device.
             step = torch.as_tensor(m.entry["step"]).detach()
