@@ -1,0 +1,629 @@
+"""OffloadAdamW(resident=...) in scenarios a demanding user hits, on the staged pipeline
+(``force_staging=True``) under the stream-ordering checker, against
+``torch.optim.AdamW(fused=True)`` on the same inputs (bit-identical).
+
+Covers what test_resident.py does not: param groups added after some steps (the resident choice
+is made again), parameters that first get a gradient late, loads mid-training into another share
+(with overlap, between a step and the next forward and between a forward and its backward),
+reads of the state and copies of the optimizer between an overlapped step and the next forward,
+amsgrad with bf16 and complex parameters, gaps around the end of the resident prefix,
+accumulated gradients zeroed in place, steps that are all resident or have no resident chunk,
+FSDP2, and byte budgets / "auto" at their edges.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from conftest import assert_same, clone_params, make_params, set_grads
+from torch import nn
+
+from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim import resident as resident_module
+
+SHAPES = [(64, 3), (100,), (64, 5), (7,), (640,)]  # 192, 100, 320, 7, 640 elements
+NUMELS = [192, 100, 320, 7, 640]
+LR = 0.05
+
+
+def staged(params, chunk_size=128, **kwargs) -> OffloadAdamW:
+    kwargs.setdefault("lr", LR)
+    return OffloadAdamW(params, force_staging=True, chunk_size=chunk_size, **kwargs)
+
+
+def reference_for(params, **kwargs) -> torch.optim.AdamW:
+    kwargs.setdefault("lr", LR)
+    return torch.optim.AdamW(params, fused=True, **kwargs)
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    """192 + 24 | 384 + 16 | 128 + 8 elements in three Linear layers."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 8)
+    )
+
+
+def batch(generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(5, 8, generator=generator)
+
+
+def train(pairs, generator: torch.Generator, steps: int, set_to_none: bool = True) -> None:
+    """``steps`` times: the same batch through every (model, optimizer), backward, step,
+    zero_grad."""
+    for _ in range(steps):
+        x = batch(generator)
+        for model, optimizer in pairs:
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def assert_same_state(ours: OffloadAdamW, theirs: torch.optim.Optimizer) -> None:
+    """Every moment and step count of ``ours.state_dict()`` equals torch's."""
+    saved, expected = ours.state_dict()["state"], theirs.state_dict()["state"]
+    assert sorted(saved) == sorted(expected)
+    for index, entry in expected.items():
+        for key, value in entry.items():
+            mine = saved[index][key]
+            assert torch.equal(mine.float().cpu(), value.float().cpu()), (index, key)
+
+
+def resident_bytes(opt: OffloadAdamW) -> int:
+    return opt.memory_stats()["resident_bytes"]
+
+
+# ------------------------------------------------------------- 1. param groups added late
+def test_add_param_group_after_some_steps_chooses_again(stream_order):
+    params = make_params(SHAPES)
+    reference = clone_params(params)
+    ours = staged(params[:3], resident=0.5)
+    theirs = reference_for(reference[:3])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        set_grads([params, reference], generator)
+        ours.step()
+        theirs.step()
+    # 0.5 of 8 * 612 bytes: parameters 0 and 1 (8 * 292 bytes) fit, parameter 2 does not.
+    assert resident_bytes(ours) == 8 * 292
+    for opt, group in ((ours, params[3:]), (theirs, reference[3:])):
+        opt.add_param_group({"params": group, "lr": 0.02, "weight_decay": 0.0})
+    for _ in range(4):
+        set_grads([params, reference], generator)
+        ours.step()
+        theirs.step()
+    stream_order.expect_none()
+    # 0.5 of 8 * 1259 bytes = 5036: the first arena whole (4896), then parameter 3 (56).
+    assert resident_bytes(ours) == 8 * (612 + 7)
+    assert_same(params, reference)
+    assert_same_state(ours, theirs)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_add_param_group_of_a_model_layer_with_overlap(stream_order, overlap):
+    model, twin = mlp(), mlp()
+    ours = OffloadAdamW(
+        [*model[0].parameters(), *model[2].parameters()],
+        force_staging=True,
+        chunk_size=64,
+        resident=0.5,
+    )
+    theirs = reference_for([*twin[0].parameters(), *twin[2].parameters()], lr=1e-3)
+    if overlap:
+        ours.overlap_with(model)
+    generator = torch.Generator().manual_seed(1)
+    train([(model, ours), (twin, theirs)], generator, 3)
+    before = resident_bytes(ours)
+    assert before > 0
+    ours.add_param_group({"params": list(model[4].parameters()), "lr": 3e-3})
+    theirs.add_param_group({"params": list(twin[4].parameters()), "lr": 3e-3})
+    train([(model, ours), (twin, theirs)], generator, 4)
+    model(batch(generator))  # the next forward pass waits for the last updates
+    stream_order.expect_none()
+    assert resident_bytes(ours) > before
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert_same_state(ours, theirs)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_layer_first_trained_at_step_five(stream_order, overlap):
+    model, twin = mlp(), mlp()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.6)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    if overlap:
+        ours.overlap_with(model)
+    for net in (model, twin):
+        net[2].requires_grad_(False)
+    generator = torch.Generator().manual_seed(2)
+    train([(model, ours), (twin, theirs)], generator, 4)
+    first = resident_bytes(ours)
+    for net in (model, twin):
+        net[2].requires_grad_(True)
+    train([(model, ours), (twin, theirs)], generator, 4)
+    model(batch(generator))
+    stream_order.expect_none()
+    assert first > 0 and resident_bytes(ours) > first
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert_same_state(ours, theirs)
+
+
+# ------------------------------------------------------------- 2. loads mid-training
+def source_state(share, seed: int, frozen_layer: int | None = None) -> dict:
+    """A state dict of an OffloadAdamW (``share`` resident, overlapped) trained on other data,
+    taken between an overlapped step and the next forward pass."""
+    model = mlp()
+    opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=share)
+    opt.overlap_with(model)
+    if frozen_layer is not None:
+        model[frozen_layer].requires_grad_(False)
+    train([(model, opt)], torch.Generator().manual_seed(seed), 3)
+    return copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("source", "target"), [(0.0, 0.7), (0.7, 0.0), (0.5, 0.5)], ids=["0-0.7", "0.7-0", "0.5-0.5"]
+)
+@pytest.mark.parametrize("when", ["after_step", "after_forward"])
+def test_load_mid_training_into_another_share_with_overlap(stream_order, source, target, when):
+    model, twin = mlp(), mlp()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=target)
+    ours.overlap_with(model)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    pairs = [(model, ours), (twin, theirs)]
+    generator = torch.Generator().manual_seed(3)
+    train(pairs, generator, 3)
+    saved = source_state(source, seed=10)
+    if when == "after_step":  # between an overlapped step and the next forward pass
+        ours.load_state_dict(copy.deepcopy(saved))
+        theirs.load_state_dict(copy.deepcopy(saved))
+        train(pairs, generator, 3)
+    else:  # after a forward pass (its copies of the next chunks are queued), before backward
+        x = batch(generator)
+        losses = [net(x).pow(2).sum() for net in (model, twin)]
+        ours.load_state_dict(copy.deepcopy(saved))
+        theirs.load_state_dict(copy.deepcopy(saved))
+        for loss, (_, opt) in zip(losses, pairs, strict=True):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        train(pairs, generator, 2)
+    model(batch(generator))
+    stream_order.expect_none()
+    if target:
+        assert resident_bytes(ours) > 0
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert_same_state(ours, theirs)
+
+
+@pytest.mark.parametrize("target", [0.5, 1.0])
+def test_load_in_place_of_own_earlier_state_with_overlap(stream_order, target):
+    """Back to an earlier checkpoint of the same optimizer (written into its buffers in place)."""
+    model, twin = mlp(), mlp()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=target)
+    ours.overlap_with(model)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    pairs = [(model, ours), (twin, theirs)]
+    generator = torch.Generator().manual_seed(4)
+    train(pairs, generator, 2)
+    saved = copy.deepcopy(ours.state_dict())
+    buffers = [id(a) for a in ours._host.arenas]
+    train(pairs, generator, 3)
+    ours.load_state_dict(copy.deepcopy(saved))
+    theirs.load_state_dict(copy.deepcopy(saved))
+    assert [id(a) for a in ours._host.arenas] == buffers  # written in place
+    train(pairs, generator, 3)
+    model(batch(generator))
+    stream_order.expect_none()
+    assert resident_bytes(ours) > 0
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert_same_state(ours, theirs)
+
+
+def test_load_of_fewer_parameters_lays_state_out_anew_and_chooses_again(stream_order):
+    """A checkpoint without state for one layer (frozen there) cannot be written in place: new
+    host buffers, so the resident prefix is chosen again; twice in a row as well."""
+    model, twin = mlp(), mlp()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
+    ours.overlap_with(model)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    pairs = [(model, ours), (twin, theirs)]
+    generator = torch.Generator().manual_seed(5)
+    train(pairs, generator, 3)
+    assert resident_bytes(ours) > 0
+    for seed in (11, 12):  # two loads before any step
+        saved = source_state(0.3, seed=seed, frozen_layer=2)
+        ours.load_state_dict(copy.deepcopy(saved))
+        theirs.load_state_dict(copy.deepcopy(saved))
+    train(pairs, generator, 3)
+    model(batch(generator))
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert_same_state(ours, theirs)
+    # Half the state that now exists stays resident whatever arenas the loads left behind.
+    total = ours.memory_stats()["state_bytes"]
+    assert 0 < resident_bytes(ours) <= total // 2
+
+
+# ------------------------------------------------------------- 3. reads and copies
+def test_reads_between_an_overlapped_step_and_the_next_forward(stream_order):
+    model, twin = mlp(), mlp()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
+    ours.overlap_with(model)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    pairs = [(model, ours), (twin, theirs)]
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(4):
+        train(pairs, generator, 1)  # ends after a step, before the next forward
+        stats = ours.memory_stats()
+        assert stats["resident_bytes"] <= stats["state_bytes"] // 2
+        assert_same_state(ours, theirs)
+        for p, r in zip(model.parameters(), twin.parameters(), strict=True):
+            state = ours.offloaded_state(p)
+            assert_same(
+                [state["exp_avg"], state["exp_avg_sq"]],
+                [theirs.state[r]["exp_avg"], theirs.state[r]["exp_avg_sq"]],
+            )
+    assert resident_bytes(ours) > 0
+    model(batch(generator))
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copies_of_an_overlapped_resident_optimizer_step_alike(stream_order, how):
+    model, twin = mlp(), mlp()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
+    ours.overlap_with(model)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(7)
+    train([(model, ours), (twin, theirs)], generator, 3)
+    # Between an overlapped step and the next forward pass: copying waits by itself.
+    if how == "deepcopy":
+        copied = copy.deepcopy(ours)
+    elif how == "pickle":
+        copied = pickle.loads(pickle.dumps(ours))
+    else:
+        buffer = io.BytesIO()
+        torch.save(ours, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert copied.resident == 0.5
+    copy_params = [p for g in copied.param_groups for p in g["params"]]
+    assert_same(copy_params, list(twin.parameters()))
+    for _ in range(3):
+        x = batch(generator)
+        model(x).pow(2).sum().backward()
+        twin(x).pow(2).sum().backward()
+        for c, p in zip(copy_params, model.parameters(), strict=True):
+            c.grad = p.grad.clone()
+        for opt in (ours, theirs, copied):
+            opt.step()
+            opt.zero_grad()
+    model(batch(generator))
+    stream_order.expect_none()
+    assert resident_bytes(copied) > 0
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert_same(copy_params, list(twin.parameters()))
+    assert_same_state(copied, theirs)
+    assert_same_state(ours, theirs)
+
+
+# ------------------------------------------------------------- 4. amsgrad, bf16, complex, gaps
+def test_amsgrad_bf16_and_complex_parameters_with_a_resident_share(stream_order):
+    bf16 = make_params([(64, 3), (33,), (100,)], dtype=torch.bfloat16, seed=1)
+    fp32 = make_params([(50,), (7, 9)], seed=2)
+    cplx = make_params([(40, 3), (7,)], dtype=torch.complex64, seed=3)
+    masters = [nn.Parameter(p.detach().float()) for p in bf16]
+    fp32_ref = clone_params(fp32)
+    cplx_ref = [nn.Parameter(torch.view_as_real(p.detach()).clone()) for p in cplx]
+    ours = staged(
+        [
+            {"params": bf16, "amsgrad": True},
+            {"params": fp32, "weight_decay": 0.1},
+            {"params": cplx, "amsgrad": True},
+        ],
+        resident=0.5,
+    )
+    theirs = reference_for(
+        [
+            {"params": masters, "amsgrad": True},
+            {"params": fp32_ref, "weight_decay": 0.1},
+            {"params": cplx_ref, "amsgrad": True},
+        ]
+    )
+    generator = torch.Generator().manual_seed(8)
+    for step in range(6):
+        skip = {1} if step % 2 else {4}  # gaps: the second bf16 and second fp32 parameters
+        for i, (p, r) in enumerate(
+            zip([*bf16, *fp32, *cplx], [*masters, *fp32_ref, *cplx_ref], strict=True)
+        ):
+            if i in skip:
+                p.grad = r.grad = None
+                continue
+            p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            r.grad = torch.view_as_real(p.grad).clone() if p.is_complex() else p.grad.to(r.dtype)
+        ours.step()
+        theirs.step()
+    stream_order.expect_none()
+    assert 0 < resident_bytes(ours) <= ours.memory_stats()["state_bytes"] // 2
+    assert_same(bf16, [m.detach().to(torch.bfloat16) for m in masters])
+    assert_same(fp32, fp32_ref)
+    assert_same([torch.view_as_real(p) for p in cplx], cplx_ref)
+    for p, r in zip([*bf16, *cplx], [*masters, *cplx_ref], strict=True):
+        state = ours.offloaded_state(p)
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            mine = torch.view_as_real(state[key]) if p.is_complex() else state[key]
+            assert_same([mine], [theirs.state[r][key]])
+        if p.dtype == torch.bfloat16:
+            assert_same([state["master_param"]], [r])
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_gaps_around_the_end_of_the_resident_prefix(stream_order, amsgrad):
+    """Byte budget ending after parameter 1 (of 5): parameters on either side of the boundary,
+    and the first one, go without gradients on some steps."""
+    keys = 3 if amsgrad else 2
+    params = make_params(SHAPES)
+    reference = clone_params(params)
+    ours = staged(params, resident=4 * keys * (192 + 100), amsgrad=amsgrad)
+    theirs = reference_for(reference, amsgrad=amsgrad)
+    generator = torch.Generator().manual_seed(9)
+    gaps = [set(), set(), {1}, {2}, {1, 2}, {0}, {0, 1}, set(), {0, 1, 3}, set()]
+    for step_gaps in gaps:
+        set_grads([params, reference], generator, skip=lambda i, g=step_gaps: i in g)
+        ours.step()
+        theirs.step()
+        if step_gaps == {1, 2}:
+            assert_same_state(ours, theirs)  # a read in between flushes the resident part
+    stream_order.expect_none()
+    assert resident_bytes(ours) == 4 * keys * (192 + 100)
+    assert_same(params, reference)
+    assert_same_state(ours, theirs)
+
+
+# ------------------------------------------------------------- 5. accumulation, all / none
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_accumulated_gradients_zeroed_in_place(stream_order, overlap):
+    model, twin = mlp(), mlp()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    if overlap:
+        ours.overlap_with(model)
+    generator = torch.Generator().manual_seed(10)
+    for _ in range(4):
+        for _ in range(3):  # three micro-batches per step
+            x = batch(generator)
+            for net in (model, twin):
+                net(x).pow(2).sum().backward()
+        for opt in (ours, theirs):
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    model(batch(generator))
+    stream_order.expect_none()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    assert resident_bytes(ours) > 0
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert_same_state(ours, theirs)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_steps_all_resident_and_without_any_resident_chunk(stream_order, overlap):
+    """resident=1.0: nothing is copied once chosen. A byte budget holding layer 0 only, with
+    layer 0 frozen on some steps: those steps have no resident chunk."""
+    model, twin = mlp(), mlp()
+    everything = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=1.0)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    if overlap:
+        everything.overlap_with(model)
+    generator = torch.Generator().manual_seed(11)
+    train([(model, everything), (twin, theirs)], generator, 3)
+    moved = everything.last_step.resolve()
+    assert moved.bytes_in == moved.bytes_out == 0
+    assert resident_bytes(everything) == everything.memory_stats()["state_bytes"]
+    model(batch(generator))
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+    model2, twin2 = mlp(1), mlp(1)
+    layer0 = 8 * (192 + 24)
+    some = OffloadAdamW(model2.parameters(), force_staging=True, chunk_size=64, resident=layer0)
+    theirs2 = reference_for(twin2.parameters(), lr=1e-3)
+    if overlap:
+        some.overlap_with(model2)
+    pairs = [(model2, some), (twin2, theirs2)]
+    train(pairs, generator, 2)
+    for frozen in (True, True, False, True, False):
+        for net in (model2, twin2):
+            net[0].requires_grad_(not frozen)
+        train(pairs, generator, 1)
+        if frozen:  # no resident chunk in this step: all of the rest was copied
+            moved = some.last_step.resolve()
+            # (with overlap, bytes_in also counts copies queued after the forward pass for the
+            # last step's plan, which a changed plan does not use)
+            assert moved.bytes_out == some.memory_stats()["state_bytes"] - layer0
+            assert moved.bytes_in >= moved.bytes_out
+    model2(batch(generator))
+    stream_order.expect_none()
+    assert resident_bytes(some) == layer0
+    assert_same(list(model2.parameters()), list(twin2.parameters()))
+    assert_same_state(some, theirs2)
+
+
+# ------------------------------------------------------------- 6. FSDP2
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rendezvous = tmp_path_factory.mktemp("rendezvous") / "file"
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{rendezvous}")
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.no_stream_check  # checked below, around our optimizer only
+def test_fsdp2_with_a_resident_share_and_overlap(mesh):
+    from stream_checker import StreamChecker
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded() -> nn.Module:
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)]
+        model = nn.Sequential(*blocks)
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    model, reference = sharded(), sharded()
+    torch_opt = torch.optim.AdamW(reference.parameters(), fused=True)
+    generator = torch.Generator().manual_seed(12)
+    inputs = [torch.randn(2, 8, generator=generator) for _ in range(4)]
+    for x in inputs:
+        reference(x).sum().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    with StreamChecker() as checker:
+        opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
+        opt.overlap_with(model)
+        for x in inputs:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        saved = opt.state_dict()
+        model(inputs[0])
+        opt.wait_for_updates()
+    checker.expect_none()
+    assert 0 < opt.memory_stats()["resident_bytes"] <= opt.memory_stats()["state_bytes"] // 2
+    assert_same(
+        [p.full_tensor() for p in model.parameters()],
+        [p.full_tensor() for p in reference.parameters()],
+    )
+    expected = torch_opt.state_dict()["state"]
+    for index, entry in expected.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_same([saved["state"][index][key].full_tensor()], [entry[key].full_tensor()])
+
+
+# ------------------------------------------------------------- 7. budgets
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [(8 * 192 - 1, 0), (8 * 192, 8 * 192), (8 * (192 + 100 + 320), 8 * 612), (0, 0)],
+    ids=["below-first", "first-exactly", "three-exactly", "zero"],
+)
+def test_byte_budgets_at_parameter_boundaries(stream_order, budget, expected):
+    params = make_params(SHAPES)
+    reference = clone_params(params)
+    ours = staged(params, resident=budget)
+    theirs = reference_for(reference)
+    generator = torch.Generator().manual_seed(13)
+    for _ in range(4):
+        set_grads([params, reference], generator)
+        ours.step()
+        theirs.step()
+    stream_order.expect_none()
+    assert resident_bytes(ours) == expected
+    moved = ours.last_step.resolve()
+    assert moved.bytes_in == 8 * sum(NUMELS) - expected
+    assert_same(params, reference)
+    assert_same_state(ours, theirs)
+
+
+@pytest.mark.parametrize("change", ["shrinks", "grows"])
+def test_auto_follows_free_memory_when_it_chooses_again(stream_order, monkeypatch, change):
+    """ "auto" chooses at step 2 with some memory free, and again when a parameter first gets a
+    gradient (new arena), with less or more free then."""
+    gib = 1 << 30
+    free = {"bytes": 2 * gib + 8 * 292}  # parameters 0 and 1 fit
+    params = make_params(SHAPES)
+    reference = clone_params(params)
+    ours = staged(params, resident="auto")
+    monkeypatch.setattr(
+        resident_module,
+        "free_device_memory",
+        lambda device: free["bytes"] - ours.memory_stats()["resident_bytes"],
+    )
+    monkeypatch.setattr(resident_module, "total_memory", lambda device: 10 * gib)
+    theirs = reference_for(reference)
+    generator = torch.Generator().manual_seed(14)
+    for _ in range(3):
+        set_grads([params, reference], generator, skip=lambda i: i == 3)
+        ours.step()
+        theirs.step()
+    assert resident_bytes(ours) == 8 * 292
+    free["bytes"] = 2 * gib + (8 * 192 if change == "shrinks" else 8 * 1000)
+    for _ in range(3):  # parameter 3 joins (a new arena): "auto" chooses again
+        set_grads([params, reference], generator)
+        ours.step()
+        theirs.step()
+    stream_order.expect_none()
+    # shrinks: parameter 0 only; grows: the first arena's first three parameters (8 * 612 B),
+    # then the new arena's parameter 3 (56 B) within the 8000 B.
+    assert resident_bytes(ours) == (8 * 192 if change == "shrinks" else 8 * (612 + 7))
+    assert_same(params, reference)
+    assert_same_state(ours, theirs)
+
+
+# ------------------------------------------------- loads and edits through the state dict
+def test_a_load_that_lays_state_out_anew_frees_the_old_state_with_overlap(stream_order):
+    """A load that cannot write in place (the checkpoint has no state for one layer) replaces
+    every arena: the last step's chunk plan, kept for the prefetch after the next forward, must
+    not keep the old arenas (their host buffers and resident device buffers) alive, nor queue
+    copies out of them."""
+    import gc
+    import weakref
+
+    model, twin = mlp(), mlp()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
+    ours.overlap_with(model)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    pairs = [(model, ours), (twin, theirs)]
+    generator = torch.Generator().manual_seed(15)
+    train(pairs, generator, 3)
+    old_arena = weakref.ref(ours._host.arenas[0])
+    saved = source_state(0.3, seed=16, frozen_layer=2)
+    ours.load_state_dict(copy.deepcopy(saved))
+    theirs.load_state_dict(copy.deepcopy(saved))
+    gc.collect()
+    held_after_load = resident_bytes(ours)
+    old_alive = old_arena() is not None
+    train(pairs, generator, 1)
+    bytes_in = ours.last_step.resolve().bytes_in
+    train(pairs, generator, 2)
+    model(batch(generator))
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert_same_state(ours, theirs)
+    # The step after the load copies the new state in once (its resident part included).
+    state_bytes = ours.memory_stats()["state_bytes"]
+    assert (held_after_load, old_alive, bytes_in) == (0, False, state_bytes)
+
+
+@pytest.mark.parametrize("share", [None, 0.5])
+def test_state_dict_tensors_are_references_to_the_state_as_torch_s(stream_order, share):
+    """torch's state_dict() tensors are its live state: an edit through them changes the next
+    step. Ours are views of the host buffers; the resident part must be reloaded from them."""
+    params = make_params(SHAPES)
+    reference = clone_params(params)
+    ours = staged(params, resident=share)
+    theirs = reference_for(reference)
+    generator = torch.Generator().manual_seed(17)
+    for _ in range(3):
+        set_grads([params, reference], generator)
+        ours.step()
+        theirs.step()
+    for opt in (ours, theirs):
+        for entry in opt.state_dict()["state"].values():
+            entry["exp_avg"].mul_(0.5)
+            entry["exp_avg_sq"].mul_(2.0)
+    for _ in range(2):
+        set_grads([params, reference], generator)
+        ours.step()
+        theirs.step()
+    stream_order.expect_none()
+    assert_same(params, reference)
+    assert_same_state(ours, theirs)
