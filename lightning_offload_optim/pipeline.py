@@ -134,7 +134,9 @@ class StagingPipeline:
         # Copy-ins queued ahead of a step, by chunk position: (arena id, start, stop, staging
         # buffer), and the event after the copy.
         self._prefetched: dict[int, tuple[tuple[int, int, int, int], torch.Event | None]] = {}
-        self._prefetch_record = StepRecord()
+        #: Copies queued between steps (prefetches, write-backs of resident state): the next
+        #: step's record counts them.
+        self._between_steps = StepRecord()
         self.last_record: StepRecord | None = None
         self.updated: list[torch.Event | None] = []
 
@@ -215,7 +217,7 @@ class StagingPipeline:
         :meth:`run` uses these copies for the same chunks in the same places."""
         if self._prefetched:
             return  # queued already (another forward pass before the same step)
-        record = StepRecord()
+        record = self._between_steps  # with copies queued before it and dropped by a load
         for index, (chunk, turn) in enumerate(zip(chunks, self._turns(chunks), strict=True)):
             if chunk.resident or not self.stages(chunk.arena.device) or turn >= self.num_buffers:
                 continue
@@ -234,7 +236,6 @@ class StagingPipeline:
             loaded = self._load(chunk, staged, number, record)
             chunk.arena.read_by(loaded)
             self._prefetched[index] = ((id(chunk.arena), chunk.start, chunk.stop, number), loaded)
-        self._prefetch_record = record
 
     def _turns(self, chunks: Sequence[Chunk]) -> list[int]:
         """Per chunk, how many staged chunks of its kind come before it. A kind's staged chunks
@@ -270,7 +271,7 @@ class StagingPipeline:
         which its parameters are updated (``None`` where it ran in program order). Returns the
         step's :class:`StepRecord` (also kept as :attr:`last_record`).
         """
-        record, self._prefetch_record = self._prefetch_record, StepRecord()
+        record, self._between_steps = self._between_steps, StepRecord()
         prefetched, self._prefetched = self._prefetched, {}
         started = time.perf_counter()
         staged = {chunk.arena.device for chunk in chunks if self.stages(chunk.arena.device)}
@@ -414,13 +415,16 @@ class StagingPipeline:
                 continue
             streams = self._streams[arena.device]
             caller = streams.compute()  # outside streams.on(): there, the current stream changes
+            record = self._between_steps
             with streams.on(streams.copy_out):
                 streams.wait(streams.copy_out, streams.record(streams.update))
                 streams.wait(streams.copy_out, streams.record(caller))
-                for key, buffer in resident.buffers.items():
-                    arena.buffers[key][: arena.resident_numel].copy_(buffer, non_blocking=True)
+                with record.span(COPY_OUT, streams, streams.copy_out):
+                    for key, buffer in resident.buffers.items():
+                        arena.buffers[key][: arena.resident_numel].copy_(buffer, non_blocking=True)
                 self._host_ready[arena.device] = streams.record(streams.copy_out)
                 arena.written_by(self._host_ready[arena.device])
+            record.bytes_out += arena.resident_numel * arena.dtype.itemsize * len(resident.buffers)
             resident.dirty = False
 
     def _settle(self, devices: set[torch.device], chunks: Sequence[Chunk]) -> None:

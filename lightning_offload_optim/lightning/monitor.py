@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
 
 from lightning_offload_optim.adamw import OffloadAdamW
@@ -84,6 +85,7 @@ class OffloadMonitor(Callback):
         self.summary = summary
         self.totals = dict.fromkeys(COUNTERS, 0.0)
         self._optimizers: list[OffloadAdamW] = []
+        self._hooks: list[RemovableHandle] = []
         self._seen: dict[int, StepRecord | None] = {}
         self._pending: list[StepRecord] = []
 
@@ -98,7 +100,10 @@ class OffloadMonitor(Callback):
                 "configure_optimizers."
             )
             return
+        # Every step's record, also of an optimizer stepped more than once in a batch.
         self._seen = {id(opt): opt.last_step for opt in self._optimizers}
+        self._remove_hooks()
+        self._hooks = [opt.register_step_post_hook(self._stepped) for opt in self._optimizers]
         # Kept on the CPU between logs (updating it there never waits for the device); moved
         # to the module's device only to be reduced across ranks when logged.
         self._interval = IntervalTotals()
@@ -108,11 +113,6 @@ class OffloadMonitor(Callback):
     ) -> None:
         if not self._optimizers:
             return
-        for opt in self._optimizers:
-            record = opt.last_step
-            if record is not None and record is not self._seen[id(opt)]:
-                self._seen[id(opt)] = record
-                self._pending.append(record)
         # Fold in steps whose events are done; keeps few events alive, never waits.
         self._pending = [r for r in self._pending if not self._fold(r.poll())]
         if not self._logs_now(trainer, pl_module):
@@ -122,6 +122,21 @@ class OffloadMonitor(Callback):
         if self.prog_bar:
             saved = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
             pl_module.log(f"{self.prefix}memory_saved_gb", saved / 1e9, prog_bar=True)
+
+    def _stepped(self, optimizer: OffloadAdamW, args: Any, kwargs: Any) -> None:
+        """Step post-hook: queue the step's record (a step with nothing to update makes none)."""
+        record = optimizer.last_step
+        if record is not None and record is not self._seen[id(optimizer)]:
+            self._seen[id(optimizer)] = record
+            self._pending.append(record)
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_hooks()  # the optimizers must not keep this callback alive
 
     @staticmethod
     def _logs_now(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
