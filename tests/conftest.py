@@ -36,6 +36,20 @@ def stream_order(request: pytest.FixtureRequest):
     checker.expect_none()
 
 
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory):
+    """A 1-rank gloo process group and CPU device mesh: FSDP2 and DTensor in one process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rendezvous = tmp_path_factory.mktemp("rendezvous") / "file"
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{rendezvous}")
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
 SHAPES = [(300, 7), (5,), (1000,), (13, 17), (2, 3, 4, 5)]
 
 

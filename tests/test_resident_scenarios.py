@@ -19,7 +19,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import assert_same, clone_params, make_params, set_grads
+from conftest import assert_same, clone_params, make_params, set_grads, step_together
 from torch import nn
 
 from lightning_offload_optim import OffloadAdamW
@@ -46,6 +46,16 @@ def mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 8)
     )
+
+
+def mlp_pair(resident, overlap: bool = True):
+    """An MLP with OffloadAdamW (staged, lr 1e-3) and its twin with torch's; overlapped if
+    ``overlap``."""
+    model, twin = mlp(), mlp()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=resident)
+    if overlap:
+        ours.overlap_with(model)
+    return model, twin, ours, reference_for(twin.parameters(), lr=1e-3)
 
 
 def batch(generator: torch.Generator) -> torch.Tensor:
@@ -84,18 +94,12 @@ def test_add_param_group_after_some_steps_chooses_again(stream_order):
     ours = staged(params[:3], resident=0.5)
     theirs = reference_for(reference[:3])
     generator = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        set_grads([params, reference], generator)
-        ours.step()
-        theirs.step()
+    step_together([ours, theirs], [params, reference], generator, 3)
     # 0.5 of 8 * 612 bytes: parameters 0 and 1 (8 * 292 bytes) fit, parameter 2 does not.
     assert resident_bytes(ours) == 8 * 292
     for opt, group in ((ours, params[3:]), (theirs, reference[3:])):
         opt.add_param_group({"params": group, "lr": 0.02, "weight_decay": 0.0})
-    for _ in range(4):
-        set_grads([params, reference], generator)
-        ours.step()
-        theirs.step()
+    step_together([ours, theirs], [params, reference], generator, 4)
     stream_order.expect_none()
     # 0.5 of 8 * 1259 bytes = 5036: the first arena whole (4896), then parameter 3 (56).
     assert resident_bytes(ours) == 8 * (612 + 7)
@@ -131,11 +135,7 @@ def test_add_param_group_of_a_model_layer_with_overlap(stream_order, overlap):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_a_layer_first_trained_at_step_five(stream_order, overlap):
-    model, twin = mlp(), mlp()
-    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.6)
-    theirs = reference_for(twin.parameters(), lr=1e-3)
-    if overlap:
-        ours.overlap_with(model)
+    model, twin, ours, theirs = mlp_pair(0.6, overlap)
     for net in (model, twin):
         net[2].requires_grad_(False)
     generator = torch.Generator().manual_seed(2)
@@ -169,10 +169,7 @@ def source_state(share, seed: int, frozen_layer: int | None = None) -> dict:
 )
 @pytest.mark.parametrize("when", ["after_step", "after_forward"])
 def test_load_mid_training_into_another_share_with_overlap(stream_order, source, target, when):
-    model, twin = mlp(), mlp()
-    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=target)
-    ours.overlap_with(model)
-    theirs = reference_for(twin.parameters(), lr=1e-3)
+    model, twin, ours, theirs = mlp_pair(target)
     pairs = [(model, ours), (twin, theirs)]
     generator = torch.Generator().manual_seed(3)
     train(pairs, generator, 3)
@@ -202,10 +199,7 @@ def test_load_mid_training_into_another_share_with_overlap(stream_order, source,
 @pytest.mark.parametrize("target", [0.5, 1.0])
 def test_load_in_place_of_own_earlier_state_with_overlap(stream_order, target):
     """Back to an earlier checkpoint of the same optimizer (written into its buffers in place)."""
-    model, twin = mlp(), mlp()
-    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=target)
-    ours.overlap_with(model)
-    theirs = reference_for(twin.parameters(), lr=1e-3)
+    model, twin, ours, theirs = mlp_pair(target)
     pairs = [(model, ours), (twin, theirs)]
     generator = torch.Generator().manual_seed(4)
     train(pairs, generator, 2)
@@ -226,10 +220,7 @@ def test_load_in_place_of_own_earlier_state_with_overlap(stream_order, target):
 def test_load_of_fewer_parameters_lays_state_out_anew_and_chooses_again(stream_order):
     """A checkpoint without state for one layer (frozen there) cannot be written in place: new
     host buffers, so the resident prefix is chosen again; twice in a row as well."""
-    model, twin = mlp(), mlp()
-    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
-    ours.overlap_with(model)
-    theirs = reference_for(twin.parameters(), lr=1e-3)
+    model, twin, ours, theirs = mlp_pair(0.5)
     pairs = [(model, ours), (twin, theirs)]
     generator = torch.Generator().manual_seed(5)
     train(pairs, generator, 3)
@@ -250,10 +241,7 @@ def test_load_of_fewer_parameters_lays_state_out_anew_and_chooses_again(stream_o
 
 # ------------------------------------------------------------- 3. reads and copies
 def test_reads_between_an_overlapped_step_and_the_next_forward(stream_order):
-    model, twin = mlp(), mlp()
-    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
-    ours.overlap_with(model)
-    theirs = reference_for(twin.parameters(), lr=1e-3)
+    model, twin, ours, theirs = mlp_pair(0.5)
     pairs = [(model, ours), (twin, theirs)]
     generator = torch.Generator().manual_seed(6)
     for _ in range(4):
@@ -275,10 +263,7 @@ def test_reads_between_an_overlapped_step_and_the_next_forward(stream_order):
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 def test_copies_of_an_overlapped_resident_optimizer_step_alike(stream_order, how):
-    model, twin = mlp(), mlp()
-    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
-    ours.overlap_with(model)
-    theirs = reference_for(twin.parameters(), lr=1e-3)
+    model, twin, ours, theirs = mlp_pair(0.5)
     generator = torch.Generator().manual_seed(7)
     train([(model, ours), (twin, theirs)], generator, 3)
     # Between an overlapped step and the next forward pass: copying waits by itself.
@@ -388,11 +373,7 @@ def test_gaps_around_the_end_of_the_resident_prefix(stream_order, amsgrad):
 # ------------------------------------------------------------- 5. accumulation, all / none
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_accumulated_gradients_zeroed_in_place(stream_order, overlap):
-    model, twin = mlp(), mlp()
-    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
-    theirs = reference_for(twin.parameters(), lr=1e-3)
-    if overlap:
-        ours.overlap_with(model)
+    model, twin, ours, theirs = mlp_pair(0.5, overlap)
     generator = torch.Generator().manual_seed(10)
     for _ in range(4):
         for _ in range(3):  # three micro-batches per step
@@ -414,11 +395,7 @@ def test_accumulated_gradients_zeroed_in_place(stream_order, overlap):
 def test_steps_all_resident_and_without_any_resident_chunk(stream_order, overlap):
     """resident=1.0: nothing is copied once chosen. A byte budget holding layer 0 only, with
     layer 0 frozen on some steps: those steps have no resident chunk."""
-    model, twin = mlp(), mlp()
-    everything = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=1.0)
-    theirs = reference_for(twin.parameters(), lr=1e-3)
-    if overlap:
-        everything.overlap_with(model)
+    model, twin, everything, theirs = mlp_pair(1.0, overlap)
     generator = torch.Generator().manual_seed(11)
     train([(model, everything), (twin, theirs)], generator, 3)
     moved = everything.last_step.resolve()
@@ -453,19 +430,6 @@ def test_steps_all_resident_and_without_any_resident_chunk(stream_order, overlap
 
 
 # ------------------------------------------------------------- 6. FSDP2
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    rendezvous = tmp_path_factory.mktemp("rendezvous") / "file"
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{rendezvous}")
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.no_stream_check  # checked below, around our optimizer only
 def test_fsdp2_with_a_resident_share_and_overlap(mesh):
     from stream_checker import StreamChecker
@@ -521,10 +485,7 @@ def test_byte_budgets_at_parameter_boundaries(stream_order, budget, expected):
     ours = staged(params, resident=budget)
     theirs = reference_for(reference)
     generator = torch.Generator().manual_seed(13)
-    for _ in range(4):
-        set_grads([params, reference], generator)
-        ours.step()
-        theirs.step()
+    step_together([ours, theirs], [params, reference], generator, 4)
     stream_order.expect_none()
     assert resident_bytes(ours) == expected
     moved = ours.last_step.resolve()
@@ -577,10 +538,7 @@ def test_a_load_that_lays_state_out_anew_frees_the_old_state_with_overlap(stream
     import gc
     import weakref
 
-    model, twin = mlp(), mlp()
-    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
-    ours.overlap_with(model)
-    theirs = reference_for(twin.parameters(), lr=1e-3)
+    model, twin, ours, theirs = mlp_pair(0.5)
     pairs = [(model, ours), (twin, theirs)]
     generator = torch.Generator().manual_seed(15)
     train(pairs, generator, 3)
@@ -612,18 +570,12 @@ def test_state_dict_tensors_are_references_to_the_state_as_torch_s(stream_order,
     ours = staged(params, resident=share)
     theirs = reference_for(reference)
     generator = torch.Generator().manual_seed(17)
-    for _ in range(3):
-        set_grads([params, reference], generator)
-        ours.step()
-        theirs.step()
+    step_together([ours, theirs], [params, reference], generator, 3)
     for opt in (ours, theirs):
         for entry in opt.state_dict()["state"].values():
             entry["exp_avg"].mul_(0.5)
             entry["exp_avg_sq"].mul_(2.0)
-    for _ in range(2):
-        set_grads([params, reference], generator)
-        ours.step()
-        theirs.step()
+    step_together([ours, theirs], [params, reference], generator, 2)
     stream_order.expect_none()
     assert_same(params, reference)
     assert_same_state(ours, theirs)

@@ -11,25 +11,13 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import assert_same
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim.sharding import like_param
 
 pytestmark = pytest.mark.no_stream_check  # DTensor dispatch under the checker's recording mode
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    rendezvous = tmp_path_factory.mktemp("rendezvous") / "file"
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{rendezvous}")
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def trained(mesh, shape=(6, 5)):

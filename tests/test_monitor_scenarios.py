@@ -1,0 +1,449 @@
+"""OffloadMonitor: the logged figures are exact in the scenarios users hit.
+
+Every expected value is derived here from the model's parameter sizes (TinyModel: 385 fp32
+elements, chunks of 64 with ``force_staging=True``), never from the library's own counters.
+Logged values go through ``LightningModule.log`` (float32); byte counts here are small enough
+to be exact in float32. Bytes per interval are read from the cumulative ``total_moved_bytes``
+(both ways) and, per direction, from ``h2d_gbps * h2d_ms * interval_steps`` (GB/s * ms = 1e6 B).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers.logger import Logger
+from lightning_models import ManualModel, TinyModel, make_data, trainer
+from torch.utils.data import DataLoader
+
+from lightning_offload_optim import OffloadAdamW, OffloadMonitor
+from lightning_offload_optim.pipeline import StagingPipeline
+
+P = "offload/"
+#: TinyModel: Linear(8, 32), LayerNorm(32), GELU, Linear(32, 1), in forward order.
+FORWARD_ORDER = [8 * 32, 32, 32, 32, 32 * 1, 1]  # l1.weight, l1.bias, ln.weight, ln.bias, ...
+NUMEL = sum(FORWARD_ORDER)  # 385
+STATE = 2 * 4 * NUMEL  # exp_avg + exp_avg_sq, fp32: 3080 bytes
+CHUNK = 64  # TinyModel(force_staging=True) sets chunk_size=64
+#: The first two staged chunks of a step (two staging buffers): both full chunks of l1.weight.
+PREFETCH = 2 * CHUNK * 2 * 4
+
+
+class CaptureLogger(Logger):
+    """Keeps every ``log_metrics`` call: (step, metrics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if any(k.startswith(P) for k in metrics):
+            self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def fit(tmp_path, model, monitor=None, **kwargs) -> tuple[CaptureLogger, OffloadMonitor]:
+    logger = CaptureLogger()
+    monitor = monitor or OffloadMonitor(summary=False)
+    callbacks = [monitor, *kwargs.pop("callbacks", [])]
+    kwargs.setdefault("log_every_n_steps", 1)
+    trainer(tmp_path, logger=logger, callbacks=callbacks, **kwargs).fit(model)
+    return logger, monitor
+
+
+def fit_resume(tmp_path, model, ckpt_path, **kwargs) -> CaptureLogger:
+    logger = CaptureLogger()
+    callbacks = [OffloadMonitor(summary=False), *kwargs.pop("callbacks", [])]
+    kwargs.setdefault("log_every_n_steps", 1)
+    trainer(tmp_path, logger=logger, callbacks=callbacks, **kwargs).fit(model, ckpt_path=ckpt_path)
+    return logger
+
+
+def moved(rows) -> list[float]:
+    """Bytes moved (both ways) in each logged interval, from the cumulative total."""
+    totals = [0.0] + [m[P + "total_moved_bytes"] for _, m in rows]
+    return [b - a for a, b in itertools.pairwise(totals)]
+
+
+def direction(metrics: dict[str, float], way: str) -> float:
+    """Bytes moved one way in the interval: GB/s * ms/step * steps (* 1e6 bytes)."""
+    return metrics[f"{P}{way}_gbps"] * metrics[f"{P}{way}_ms"] * metrics[P + "interval_steps"] * 1e6
+
+
+def assert_directions(rows, expected_in: list[int], expected_out: list[int]) -> None:
+    got_in = [direction(m, "h2d") for _, m in rows]
+    got_out = [direction(m, "d2h") for _, m in rows]
+    assert got_in == pytest.approx(expected_in, rel=1e-5, abs=1e-3), "host->device bytes"
+    assert got_out == pytest.approx(expected_out, rel=1e-5, abs=1e-3), "device->host bytes"
+
+
+class CountPrefetches:
+    """Counts prefetches that queued copies (so the overlap scenarios are not vacuous)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.queued = 0
+        real = StagingPipeline.prefetch
+
+        def prefetch(pipeline, chunks):
+            before = dict(pipeline._prefetched)
+            real(pipeline, chunks)
+            if pipeline._prefetched and pipeline._prefetched != before:
+                self.queued += 1
+
+        monkeypatch.setattr(StagingPipeline, "prefetch", prefetch)
+
+
+# --------------------------------------------------------------------------- 1. overlap
+
+
+def test_overlap_prefetched_copies_count_once_in_their_step(tmp_path, monkeypatch):
+    counter = CountPrefetches(monkeypatch)
+    logger, monitor = fit(tmp_path, TinyModel(force_staging=True, overlap_step=True))
+    rows = logger.rows
+    assert [s for s, _ in rows] == [0, 1, 2, 3, 4, 5]
+    assert counter.queued == 5  # before steps 2..6 (step 1 has no plan yet)
+    assert [m[P + "interval_steps"] for _, m in rows] == [1.0] * 6
+    assert moved(rows) == [2 * STATE] * 6
+    assert_directions(rows, [STATE] * 6, [STATE] * 6)
+    assert monitor.totals["bytes_in"] == monitor.totals["bytes_out"] == 6 * STATE
+
+
+class StateDictAfterBackward(Callback):
+    """Calls ``optimizer.state_dict()`` (which drops prefetched copies: the caller may write
+    through its views) after the backward of the batches ``which`` selects: after the forward
+    pass queued the next step's first copies, before the step."""
+
+    def __init__(self, which) -> None:
+        self.which = which
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self.which(trainer.fit_loop.epoch_loop.batch_idx):
+            trainer.optimizers[0].state_dict()
+
+
+def test_overlap_prefetch_dropped_by_a_state_read_is_counted_once(tmp_path, monkeypatch):
+    """Every batch: forward (queues the first two chunks), state_dict() drops those copies, the
+    step copies the whole state in again. What crossed the link: the dropped copies and the
+    whole state, once each."""
+    counter = CountPrefetches(monkeypatch)
+    logger, _ = fit(
+        tmp_path,
+        TinyModel(force_staging=True, overlap_step=True),
+        callbacks=[StateDictAfterBackward(lambda batch: True)],
+    )
+    rows = logger.rows
+    assert counter.queued == 5
+    # Step 1 had nothing prefetched; steps 2..6 each copied PREFETCH bytes that were dropped.
+    assert_directions(rows, [STATE] + [STATE + PREFETCH] * 5, [STATE] * 6)
+    assert moved(rows) == [2 * STATE] + [2 * STATE + PREFETCH] * 5
+
+
+def test_overlap_prefetch_dropped_then_queued_again_is_not_lost(tmp_path, monkeypatch):
+    """With accumulation the second micro-batch's forward queues the copies again after the
+    first ones were dropped: both sets of copies crossed the link (and without a second
+    forward, the test above, the dropped ones do count), so both count here too."""
+    counter = CountPrefetches(monkeypatch)
+
+    class Data(TinyModel):
+        def train_dataloader(self):
+            return DataLoader(make_data(24), batch_size=4)  # 6 batches: 3 steps of 2
+
+    logger, _ = fit(
+        tmp_path,
+        Data(force_staging=True, overlap_step=True),
+        callbacks=[StateDictAfterBackward(lambda batch: batch % 2 == 0)],
+        accumulate_grad_batches=2,
+        max_steps=3,
+    )
+    rows = logger.rows
+    assert [m[P + "interval_steps"] for _, m in rows] == [1.0] * 3
+    # Steps 2 and 3: the first micro-batch's prefetch is dropped, the second's is used.
+    assert counter.queued == 4
+    assert_directions(rows, [STATE, STATE + PREFETCH, STATE + PREFETCH], [STATE] * 3)
+
+
+# --------------------------------------------------------------------------- 2. resident
+
+
+def resident_numel(share: float, order: list[int]) -> int:
+    """The documented choice: whole parameters from the arena's start within share * state."""
+    budget = int(share * STATE)
+    numel = end = 0
+    for n in order:
+        end += n
+        if end * 8 > budget:
+            break
+        numel = end
+    return numel
+
+
+@pytest.mark.parametrize(("share", "overlap"), [(0.9, False), (0.9, True), (1.0, True)])
+def test_resident_share_moves_only_the_rest(tmp_path, share, overlap):
+    model = TinyModel(force_staging=True, offload_resident=share, overlap_step=overlap)
+    saver = ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=4, save_top_k=-1)
+    logger, _ = fit(tmp_path, model, callbacks=[saver], enable_checkpointing=True)
+    rows = logger.rows
+    # With overlap the arena is laid out in forward order; else in param-group order (decayed
+    # weights first): l1.weight, l2.weight, then the biases and norm weights.
+    order = FORWARD_ORDER if overlap else [256, 32, 32, 32, 32, 1]
+    resident = 8 * resident_numel(share, order)
+    if share == 0.9:
+        assert 0 < resident < STATE
+    if share == 1.0:
+        assert resident == STATE
+    rest = STATE - resident
+    for _, m in rows:
+        assert m[P + "resident_bytes"] == (resident if _ >= 1 else 0)
+        assert m[P + "memory_saved_bytes"] == STATE - m[P + "resident_bytes"]
+        assert m[P + "host_bytes"] == STATE  # the host keeps the whole state of record
+    # Step 1 lays the state out (all staged); step 2 chooses the prefix and uploads it; the
+    # checkpoint after step 4 reads the state (state_dict()): the resident part is written back
+    # then (counted with step 5, the next step) and step 5 uploads it again.
+    expected_in = [STATE, resident + rest, rest, rest, resident + rest, rest]
+    if overlap and resident:
+        # The forward before step 2 queued the first two chunks of step 1's plan, before step 2
+        # chose the prefix: those copies crossed the link but serve no chunk (now resident).
+        expected_in[1] += PREFETCH
+    expected_out = [STATE, rest, rest, rest, resident + rest, rest]
+    assert_directions(rows, expected_in, expected_out)
+    assert moved(rows) == [i + o for i, o in zip(expected_in, expected_out, strict=True)]
+
+    # Resumed from the checkpoint after step 4: the loaded state is laid out anew, the prefix
+    # chosen and uploaded at the first step (5); total_moved_bytes continues from the checkpoint.
+    resumed = fit_resume(
+        tmp_path / "resumed",
+        TinyModel(force_staging=True, offload_resident=share, overlap_step=overlap),
+        tmp_path / "ckpt" / "step=4.ckpt",
+    ).rows
+    assert [s for s, _ in resumed] == [4, 5]
+    before = sum(expected_in[:4]) + sum(expected_out[:4])
+    assert_directions(resumed, [resident + rest, rest], [rest, rest])
+    assert [m[P + "total_moved_bytes"] for _, m in resumed] == [
+        before + resident + 2 * rest,
+        before + resident + 4 * rest,
+    ]
+    for _, m in resumed:
+        assert m[P + "resident_bytes"] == resident
+
+
+# --------------------------------------------------------------------------- 3. accumulation
+
+
+class Batches12(TinyModel):
+    def train_dataloader(self):
+        return DataLoader(make_data(48), batch_size=4)  # 12 batches: 4 steps of 3 per epoch
+
+
+def test_accumulation_with_a_log_cadence_not_dividing_the_steps(tmp_path):
+    model = Batches12(force_staging=True)
+    saver = ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=4, save_top_k=-1)
+    logger, monitor = fit(
+        tmp_path,
+        model,
+        accumulate_grad_batches=3,
+        log_every_n_steps=3,
+        max_steps=7,
+        callbacks=[saver],
+        enable_checkpointing=True,
+    )
+    rows = logger.rows
+    # Logged at the 3rd and 6th optimizer step; step 7 is not logged.
+    assert [s for s, _ in rows] == [2, 5]
+    assert [m[P + "interval_steps"] for _, m in rows] == [3.0, 3.0]
+    assert [m[P + "total_moved_bytes"] for _, m in rows] == [3 * 2 * STATE, 6 * 2 * STATE]
+    assert_directions(rows, [3 * STATE] * 2, [3 * STATE] * 2)
+    assert monitor.totals["steps"] == 7
+    assert monitor.totals["bytes_in"] + monitor.totals["bytes_out"] == 7 * 2 * STATE
+
+    # Resume from step 4 to step 9: logged at the 6th and 9th steps; totals continue.
+    resumed = fit_resume(
+        tmp_path / "resumed",
+        Batches12(force_staging=True),
+        tmp_path / "ckpt" / "step=4.ckpt",
+        accumulate_grad_batches=3,
+        log_every_n_steps=3,
+        max_steps=9,
+    ).rows
+    assert [s for s, _ in resumed] == [5, 8]
+    assert [m[P + "total_moved_bytes"] for _, m in resumed] == [6 * 2 * STATE, 9 * 2 * STATE]
+    assert [m[P + "interval_steps"] for _, m in resumed] == [2.0, 3.0]  # steps 5-6, 7-9
+
+
+# --------------------------------------------------------------------------- 4. GradScaler
+
+
+class ScaleWatcher(Callback):
+    """Which optimizer steps GradScaler skipped: the scale drops exactly on those."""
+
+    def __init__(self) -> None:
+        self.skipped: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._scale = trainer.precision_plugin.scaler.get_scale()
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.skipped.append(trainer.precision_plugin.scaler.get_scale() < self._scale)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steps_gradscaler_skips_count_neither_as_steps_nor_bytes(tmp_path, overlap):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    watcher = ScaleWatcher()
+    logger, monitor = fit(
+        tmp_path,
+        TinyModel(force_staging=True, overlap_step=overlap, nan_at_batch=2),
+        callbacks=[watcher],
+        plugins=[MixedPrecision("16-mixed", "cpu")],
+        max_steps=8,
+    )
+    rows = logger.rows
+    assert len(rows) == 8 == len(watcher.skipped)
+    assert watcher.skipped[2] and watcher.skipped[6]  # the inf loss of batch 2 (each epoch)
+    taken = [0.0 if s else 1.0 for s in watcher.skipped]
+    assert [m[P + "interval_steps"] for _, m in rows] == taken
+    assert moved(rows) == [2 * STATE * t for t in taken]
+    assert_directions(rows, [STATE * t for t in taken], [STATE * t for t in taken])
+    for (_, m), t in zip(rows, taken, strict=True):
+        if not t:
+            assert m[P + "step_ms"] == m[P + "h2d_ms"] == m[P + "h2d_gbps"] == 0.0
+    assert monitor.totals["steps"] == sum(taken)
+
+
+# --------------------------------------------------------------------------- 5. two optimizers
+
+
+class TwoStaged(TinyModel):
+    """Manual optimization: ``net`` (385 elements) and ``other`` (Linear(8, 8): 72) with an
+    OffloadAdamW each, stepped alternately every batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = torch.nn.Linear(8, 8)
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(self.other(x).detach()), y)
+        first.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        loss = self.other(x).pow(2).mean()
+        second.zero_grad()
+        self.manual_backward(loss)
+        second.step()
+
+    def configure_optimizers(self):
+        groups = [self.net.parameters(), self.other.parameters()]
+        return [OffloadAdamW(g, force_staging=True, chunk_size=CHUNK) for g in groups]
+
+
+def test_two_optimizers_are_summed(tmp_path):
+    other = 2 * 4 * (8 * 8 + 8)  # 576 bytes
+    logger, _ = fit(tmp_path, TwoStaged(), max_steps=8)  # 4 batches, 2 steps each
+    rows = logger.rows
+    # Logged per batch (Lightning's logging step counts batches that stepped; global_step
+    # counts both optimizers' steps: 8).
+    assert [s for s, _ in rows] == [0, 1, 2, 3]
+    for _, m in rows:
+        assert m[P + "interval_steps"] == 2.0
+        assert m[P + "memory_saved_bytes"] == m[P + "host_bytes"] == STATE + other
+        assert m[P + "host_bytes_all_ranks"] == STATE + other
+        assert m[P + "resident_bytes"] == 0.0
+    assert moved(rows) == [2 * (STATE + other)] * 4
+    assert_directions(rows, [STATE + other] * 4, [STATE + other] * 4)
+
+
+class SteppedTwice(ManualModel):
+    """Manual optimization with one OffloadAdamW stepped twice per batch (an inner loop)."""
+
+    def __init__(self) -> None:
+        super().__init__(force_staging=True)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        for _ in range(2):
+            opt.zero_grad()
+            self.manual_backward(torch.nn.functional.mse_loss(self(x), y))
+            opt.step()
+
+
+def test_one_optimizer_stepped_twice_per_batch_counts_both_steps(tmp_path):
+    """Every optimizer step counts, also a second one of the same optimizer in a batch."""
+    logger, monitor = fit(tmp_path, SteppedTwice(), max_steps=8)  # 4 batches, 2 steps each
+    rows = logger.rows
+    assert len(rows) == 4
+    assert [m[P + "interval_steps"] for _, m in rows] == [2.0] * 4
+    assert moved(rows) == [2 * 2 * STATE] * 4
+    assert monitor.totals["steps"] == 8
+
+
+# --------------------------------------------------------------------------- 6. DDP
+
+
+def test_ddp_host_bytes_summed_over_ranks_with_overlap(tmp_path):
+    from conftest import run_script
+
+    run_script(Path(__file__).name, tmp_path, timeout=120)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for rows in ranks:
+        assert [s for s, _ in rows] == [1, 3]
+        for _, m in rows:
+            assert m[P + "host_bytes"] == STATE
+            assert m[P + "host_bytes_all_ranks"] == 2 * STATE
+            assert m[P + "memory_saved_bytes"] == STATE
+            assert m[P + "interval_steps"] == 2.0  # mean over ranks, 2 steps each
+        # This rank's bytes: each step moves the whole state both ways.
+        assert [m[P + "total_moved_bytes"] for _, m in rows] == [2 * 2 * STATE, 4 * 2 * STATE]
+
+
+def _ddp_main(out: Path) -> None:
+    """Run as a script by the test above; Lightning's launcher starts rank 1 by running it
+    again. Each rank saves the rows it logged (every rank logs; rank zero only writes)."""
+
+    class Capture(Callback):
+        def __init__(self) -> None:
+            self.rows = []
+
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            if trainer._logger_connector.should_update_logs:
+                metrics = {
+                    k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(P)
+                }
+                self.rows.append((trainer.global_step - 1, metrics))
+
+    capture = Capture()
+    fitted = trainer(
+        out / "run",
+        strategy="ddp",
+        devices=2,
+        max_steps=4,
+        callbacks=[OffloadMonitor(summary=False), capture],
+        use_distributed_sampler=True,
+        log_every_n_steps=2,
+    )
+    fitted.fit(TinyModel(force_staging=True, overlap_step=True))
+    torch.save(capture.rows, out / f"rank{fitted.global_rank}.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _ddp_main(Path(sys.argv[1]))
