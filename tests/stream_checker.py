@@ -34,8 +34,12 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
+from torch.utils._pytree import tree_flatten, tree_map
 
 HOST = 0
 Clock = dict[int, int]
@@ -128,9 +132,17 @@ class _Recorder(TorchDispatchMode):
         self.checker = checker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        # Tensor subclasses that wrap others (DTensor, the functional collectives'
+        # AsyncCollectiveTensor) have no storage of their own: let them dispatch; the ops they
+        # run on their inner tensors come back through this mode and are recorded.
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.checker.record_op(func, args, kwargs, out)
+        # An op of plain tensors may return a wrapper (a collective's result): its inner
+        # tensor was recorded as the op's output.
+        plain = tree_map(lambda v: None if is_traceable_wrapper_subclass(v) else v, out)
+        self.checker.record_op(func, args, kwargs, plain)
         return out
 
 
