@@ -273,6 +273,10 @@ class Arena:
         """Note a copy out of the buffers queued ahead of a step (waited for before freeing)."""
         self._in_flight[1] = event
 
+    def state_bytes(self, numel: int) -> int:
+        """Bytes of state (every key) of ``numel`` elements of this arena."""
+        return numel * self.dtype.itemsize * len(self.keys)
+
     @property
     def allocated_bytes(self) -> int:
         return sum(b.untyped_storage().nbytes() for b in self.buffers.values())
@@ -413,9 +417,7 @@ class HostState:
     @property
     def logical_bytes(self) -> int:
         """Bytes of state held: the sum over parameters and keys of numel * element size."""
-        return sum(
-            s.layout.numel * s.arena.dtype.itemsize * len(s.arena.keys) for s in self.slots.values()
-        )
+        return sum(s.arena.state_bytes(s.layout.numel) for s in self.slots.values())
 
     @property
     def allocated_bytes(self) -> int:

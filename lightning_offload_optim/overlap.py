@@ -138,7 +138,7 @@ class ForwardOverlap:
         for param in params:
             if param.requires_grad and id(param) not in self._gradient_hooked:
                 self._gradient_hooked.add(id(param))
-                hook = functools.partial(type(self)._before_gradient, self)
+                hook = functools.partial(self._before_gradient)
                 hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
                 self._handles.append(param.register_hook(hook))
 

@@ -357,7 +357,7 @@ class StagingPipeline:
                     view.copy_(staged[key], non_blocking=True)
             free[number] = self._host_ready[device] = streams.record(streams.copy_out)
             chunk.arena.written_by(free[number])
-        record.bytes_out += chunk.numel * chunk.arena.dtype.itemsize * len(host)
+        record.bytes_out += chunk.arena.state_bytes(chunk.numel)
         return computed
 
     def _load(
@@ -375,7 +375,7 @@ class StagingPipeline:
                 for key, view in host.items():
                     staged[key].copy_(view, non_blocking=True)
             loaded = streams.record(streams.copy_in)
-        record.bytes_in += chunk.numel * chunk.arena.dtype.itemsize * len(host)
+        record.bytes_in += chunk.arena.state_bytes(chunk.numel)
         return loaded
 
     def _run_resident(
@@ -399,7 +399,7 @@ class StagingPipeline:
                 uploaded = streams.record(streams.copy_in)
                 streams.wait(compute, uploaded)
                 chunk.arena.read_by(uploaded)
-            record.bytes_in += numel * chunk.arena.dtype.itemsize * len(host)
+            record.bytes_in += chunk.arena.state_bytes(numel)
             resident.valid = True
         views = {key: b[chunk.start : chunk.stop] for key, b in resident.buffers.items()}
         with streams.on(compute):
@@ -424,7 +424,7 @@ class StagingPipeline:
                         arena.buffers[key][: arena.resident_numel].copy_(buffer, non_blocking=True)
                 self._host_ready[arena.device] = streams.record(streams.copy_out)
                 arena.written_by(self._host_ready[arena.device])
-            record.bytes_out += arena.resident_numel * arena.dtype.itemsize * len(resident.buffers)
+            record.bytes_out += arena.state_bytes(arena.resident_numel)
             resident.dirty = False
 
     def _settle(self, devices: set[torch.device], chunks: Sequence[Chunk]) -> None:

@@ -72,7 +72,7 @@ def budget_bytes(resident: Resident, arenas: Sequence[Arena], held: int = 0) -> 
         margin = max(int(AUTO_MARGIN * total_memory(arenas[0].device)), AUTO_MARGIN_BYTES)
         return max(0, free + held - margin)
     if isinstance(resident, float):
-        return int(resident * sum(a.numel * a.dtype.itemsize * len(a.keys) for a in arenas))
+        return int(resident * sum(a.state_bytes(a.numel) for a in arenas))
     return int(resident)
 
 
@@ -82,7 +82,7 @@ def resident_prefixes(arenas: Sequence[Arena], ends: Sequence[list[int]], budget
     of arena ``i`` ends, in memory order (so a prefix never splits a parameter)."""
     prefixes = []
     for arena, arena_ends in zip(arenas, ends, strict=True):
-        per_element = arena.dtype.itemsize * len(arena.keys)
+        per_element = arena.state_bytes(1)
         numel = 0
         for end in arena_ends:
             if end * per_element > budget:
