@@ -18,7 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers.logger import Logger
-from lightning_models import ManualModel, TinyModel, make_data, trainer
+from lightning_models import ManualModel, TinyModel, TwoOptimizerModel, make_data, trainer
 from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadAdamW, OffloadMonitor
@@ -328,26 +328,9 @@ def test_steps_gradscaler_skips_count_neither_as_steps_nor_bytes(tmp_path, overl
 # --------------------------------------------------------------------------- 5. two optimizers
 
 
-class TwoStaged(TinyModel):
+class TwoStaged(TwoOptimizerModel):
     """Manual optimization: ``net`` (385 elements) and ``other`` (Linear(8, 8): 72) with an
-    OffloadAdamW each, stepped alternately every batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.other = torch.nn.Linear(8, 8)
-
-    def training_step(self, batch, batch_idx):
-        first, second = self.optimizers()
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(self.other(x).detach()), y)
-        first.zero_grad()
-        self.manual_backward(loss)
-        first.step()
-        loss = self.other(x).pow(2).mean()
-        second.zero_grad()
-        self.manual_backward(loss)
-        second.step()
+    OffloadAdamW each, stepped alternately every batch, on the staged pipeline."""
 
     def configure_optimizers(self):
         groups = [self.net.parameters(), self.other.parameters()]
