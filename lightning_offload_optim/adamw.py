@@ -34,7 +34,12 @@ from lightning_offload_optim.host_state import (
 )
 from lightning_offload_optim.overlap import ForwardOverlap
 from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
-from lightning_offload_optim.resident import budget_bytes, check_resident, resident_prefixes
+from lightning_offload_optim.resident import (
+    ResidentRanges,
+    budget_bytes,
+    check_resident,
+    choose_resident,
+)
 from lightning_offload_optim.sharding import like_param, local, refuse_fsdp1
 from lightning_offload_optim.step_stats import StepRecord
 from lightning_offload_optim.validation import (
@@ -105,9 +110,11 @@ class OffloadAdamW(torch.optim.AdamW):
             a share of the state (``0.25``), a number of bytes, or ``"auto"`` (what is free on
             the device after the first step, within any per-process memory fraction, less a
             margin of 10% of the device's memory and at least 2 GiB).
-            The parameters the forward pass uses first are kept (see :meth:`overlap_with`).
-            Chosen at the start of each step whose parameters' state is laid out anew (from
-            the second step); checkpoints are the same whatever the share.
+            Whole parameters, those the forward pass uses first (see :meth:`overlap_with`;
+            else in memory order), each kept if it fits in what is left. Chosen at the start
+            of each step whose parameters' state is laid out anew or whose forward pass first
+            used a parameter (from the second step); checkpoints are the same whatever the
+            share.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -158,7 +165,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._interrupted: str | None = None
         self._overlap: ForwardOverlap | None = None
         self._overlap_finalizer: weakref.finalize | None = None
-        self._resident_for: tuple[weakref.ref[Arena], ...] = ()
+        self._resident_for: tuple = ()  # what the resident choice was made for
         self._next_chunks: list[Chunk] = []
         self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
 
@@ -284,22 +291,28 @@ class OffloadAdamW(torch.optim.AdamW):
         return self._overlap
 
     def _choose_resident(self) -> None:
-        """Pick the resident prefixes when the arenas changed since the last choice."""
+        """Choose the resident state again when the arenas, or what is known of the order in
+        which the forward pass uses the parameters, changed since the last choice (a resume
+        lays the state out before any forward pass: the choice follows the first one)."""
         arenas = [a for a in self._host.arenas if self._pipeline.stages(a.device)]
-        key = tuple(weakref.ref(a) for a in arenas)  # ids of dead arenas may be reused
+        overlap = self._overlapping()
+        known = (len(overlap.order), overlap.early_version) if overlap is not None else None
+        key = (tuple(weakref.ref(a) for a in arenas), known)  # dead arenas' ids may be reused
         if key == self._resident_for:
             return
-        ends: dict[int, list[int]] = {id(a): [] for a in arenas}
-        for slot in self._host.slots.values():
-            if id(slot.arena) in ends:
-                ends[id(slot.arena)].append(slot.offset + slot.layout.numel)
+        position = {id(a): i for i, a in enumerate(arenas)}
+        staged = [(p, s) for p, s in self._host.slots.items() if id(s.arena) in position]
+        rank = overlap.rank if overlap is not None else lambda _: 0  # then in memory order
+        staged.sort(key=lambda ps: (rank(ps[0]), position[id(ps[1].arena)], ps[1].offset))
         # Resident buffers held now are freed by the new choice: "auto" may count them.
         budget = budget_bytes(self.resident, arenas, held=self._pipeline.resident_bytes)
-        prefixes = resident_prefixes(arenas, [sorted(ends[id(a)]) for a in arenas], budget)
-        self._pipeline.wait_host()  # resident state newer than the host's is written back
-        self._pipeline.set_resident(dict(zip(arenas, prefixes, strict=True)))
+        chosen = choose_resident((slot for _, slot in staged), budget)
+        ranges = {a: chosen.get(a, ResidentRanges()) for a in arenas}
+        if any(a.resident != r for a, r in ranges.items()):
+            self._pipeline.wait_host()  # resident state newer than the host's is written back
+            self._plans.clear()  # chunks end where resident ranges do
+            self._pipeline.set_resident(ranges)  # may raise: then chosen again at the next step
         self._resident_for = key
-        self._plans.clear()
 
     def _prefetch(self) -> None:
         """Queue the copy-in of the last step's first chunks (called after a forward pass)."""

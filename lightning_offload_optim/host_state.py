@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_offload_optim.resident import ResidentRanges
 from lightning_offload_optim.sharding import local
 
 #: torch.optim.AdamW's state keys that live in host buffers (``step`` stays in ``optimizer.state``).
@@ -244,8 +245,8 @@ class Arena:
             self.offsets.append(self.numel)
             self.numel += layout.numel
         self.pinned = pin and self.numel > 0
-        #: Elements from the start kept resident on the device (set by the pipeline).
-        self.resident_numel = 0
+        #: The ranges kept resident on the device (set by the pipeline).
+        self.resident = ResidentRanges()
         self._in_flight: list[torch.Event | None] = [None, None]  # last write, last read
         self.buffers: dict[str, Tensor] = {}
         if not self.pinned:

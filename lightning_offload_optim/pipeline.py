@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
 from lightning_offload_optim.host_state import MASTER_KEY, Arena, Slot
+from lightning_offload_optim.resident import ResidentRanges
 from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, STEP, StepRecord
 from lightning_offload_optim.streams import PipelineStreams
 
@@ -55,8 +56,8 @@ class Chunk:
 
     @property
     def resident(self) -> bool:
-        """Whether the chunk lies in its arena's resident prefix (kept on the device)."""
-        return self.stop <= self.arena.resident_numel
+        """Whether the chunk lies in its arena's resident state (kept on the device)."""
+        return self.arena.resident.device_start(self.start, self.stop) is not None
 
     def host_views(self) -> dict[str, Tensor]:
         return {key: buf[self.start : self.stop] for key, buf in self.arena.buffers.items()}
@@ -84,8 +85,8 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
                 current is not None
                 and current.arena is slot.arena
                 and current.stop == position
-                # a non-empty chunk ends where the arena's resident prefix ends
-                and not (current.numel and position == slot.arena.resident_numel)
+                # a non-empty chunk ends where a resident range starts or stops
+                and not (current.numel and position in slot.arena.resident.edges)
             )
             room = bound - current.numel if contiguous else 0
             take = slot.layout.numel - done
@@ -106,7 +107,7 @@ ChunkUpdate = Callable[[Chunk, dict[str, Tensor]], None]
 
 @dataclass
 class _Resident:
-    """Device buffers holding an arena's resident prefix, per state key."""
+    """Device buffers holding an arena's resident ranges one after another, per state key."""
 
     buffers: dict[str, Tensor]
     valid: bool = False  # they hold what the host buffers hold (or newer)
@@ -179,20 +180,23 @@ class StagingPipeline:
             for t in buffer.values()
         )
 
-    def set_resident(self, prefixes: dict[Arena, int]) -> None:
-        """Keep ``prefixes[arena]`` elements from each arena's start on its device (allocated
-        here, filled from the host at the next run); 0 keeps none. Call :meth:`wait_host`
-        first, so that resident state that is newer than the host's is not lost."""
-        for arena, numel in prefixes.items():
+    def set_resident(self, chosen: dict[Arena, ResidentRanges]) -> None:
+        """Keep ``chosen[arena]`` of each arena on its device (buffers allocated here, filled
+        from the host at the next run); empty ranges keep none. Call :meth:`wait_host` first,
+        so that resident state that is newer than the host's is not lost. If an allocation
+        fails (out of device memory), the arenas not yet given buffers keep nothing resident."""
+        for arena in chosen:  # the old buffers are freed first: the new ones may reuse them
             self._resident.pop(arena, None)
-            arena.resident_numel = numel
-            if numel:
+            arena.resident = ResidentRanges()
+        for arena, ranges in chosen.items():
+            if numel := ranges.numel:
                 streams = self._streams_for(arena.device)
                 buffers = {}
                 for key in arena.keys:
                     buffers[key] = torch.empty(numel, dtype=arena.dtype, device=arena.device)
                     streams.used_by_side_streams(buffers[key])
                 self._resident[arena] = _Resident(buffers)
+                arena.resident = ranges
 
     @property
     def resident_bytes(self) -> int:
@@ -389,19 +393,21 @@ class StagingPipeline:
         """Update one chunk in its arena's resident buffers, loading them first if stale."""
         streams = self._streams[chunk.arena.device]
         resident = self._resident[chunk.arena]
+        ranges = chunk.arena.resident
         if not resident.valid:
             host = chunk.arena.buffers
-            numel = chunk.arena.resident_numel
             with streams.on(streams.copy_in):
                 with record.span(COPY_IN, streams, streams.copy_in):
                     for key, buffer in resident.buffers.items():
-                        buffer.copy_(host[key][:numel], non_blocking=True)
+                        for on_host, on_device in ranges.pieces():
+                            buffer[on_device].copy_(host[key][on_host], non_blocking=True)
                 uploaded = streams.record(streams.copy_in)
                 streams.wait(compute, uploaded)
                 chunk.arena.read_by(uploaded)
-            record.bytes_in += chunk.arena.state_bytes(numel)
+            record.bytes_in += chunk.arena.state_bytes(ranges.numel)
             resident.valid = True
-        views = {key: b[chunk.start : chunk.stop] for key, b in resident.buffers.items()}
+        start = ranges.device_start(chunk.start, chunk.stop)
+        views = {key: b[start : start + chunk.numel] for key, b in resident.buffers.items()}
         with streams.on(compute):
             update(chunk, views | scratch)
         resident.dirty = True
@@ -421,10 +427,11 @@ class StagingPipeline:
                 streams.wait(streams.copy_out, streams.record(caller))
                 with record.span(COPY_OUT, streams, streams.copy_out):
                     for key, buffer in resident.buffers.items():
-                        arena.buffers[key][: arena.resident_numel].copy_(buffer, non_blocking=True)
+                        for on_host, on_device in arena.resident.pieces():
+                            arena.buffers[key][on_host].copy_(buffer[on_device], non_blocking=True)
                 self._host_ready[arena.device] = streams.record(streams.copy_out)
                 arena.written_by(self._host_ready[arena.device])
-            record.bytes_out += arena.state_bytes(arena.resident_numel)
+            record.bytes_out += arena.state_bytes(arena.resident.numel)
             resident.dirty = False
 
     def _settle(self, devices: set[torch.device], chunks: Sequence[Chunk]) -> None:

@@ -33,6 +33,7 @@ from lightning_offload_optim.adamw import DEFAULT_CHUNK_SIZE
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
 from lightning_offload_optim.host_state import MASTER_KEY, PAGE_SIZE, state_dtype, state_keys
 from lightning_offload_optim.pipeline import GRAD_KEY, plan_chunks
+from lightning_offload_optim.resident import ResidentRanges
 
 # The package imports this module for its ``plan`` function (which then shadows the module as
 # ``lightning_offload_optim.plan``), so ``python -m lightning_offload_optim.plan`` finds it
@@ -384,7 +385,7 @@ def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:
 class _PlannedArena:
     """What :func:`~lightning_offload_optim.pipeline.plan_chunks` reads of an arena."""
 
-    resident_numel = 0  # the plan keeps no state resident on the device
+    resident = ResidentRanges()  # the plan keeps no state resident on the device
 
 
 @dataclass(frozen=True)

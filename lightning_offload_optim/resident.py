@@ -1,23 +1,28 @@
 """Keep part of the state on the device: the share that fits never crosses the link.
 
-Each arena may keep a *resident* prefix, whole parameters from its start, in device buffers of
-its own: those chunks are updated there in place with the same fused kernel and are never
-copied. Arenas are laid out in the order the forward pass first uses parameters (when the
-optimizer overlaps it), so the resident prefix holds the parameters the next forward needs
-first and the rest streams while their layers compute. The host buffers stay the state of
-record: the pipeline copies resident state back before anyone reads them
-(``state_dict()``, checkpoints, ``offloaded_state``) and reloads it after they are written (a
-load), so checkpoints look the same whatever the split.
+The resident state is whole parameters, chosen in the order the forward pass first uses them
+(when the optimizer overlaps it; else in memory order): each is kept if its state fits in what
+is left of the budget, so the parameters the next forward needs first are ready at once and
+the rest streams while their layers compute. Their host ranges need not be adjacent (after a
+resume the host buffers keep the checkpoint's parameter order); on the device they are packed
+one after another in buffers of their own, where the same fused kernel updates them in place,
+never copied. The host buffers stay the state of record: the pipeline copies resident state
+back before anyone reads them (``state_dict()``, checkpoints, ``offloaded_state``) and reloads
+it after they are written (a load), so checkpoints look the same whatever the split.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_offload_optim.host_state import Arena
+if TYPE_CHECKING:
+    from lightning_offload_optim.host_state import Arena, Slot
 
 #: "auto" leaves this share of the device's memory free, and at least :data:`AUTO_MARGIN_BYTES`.
 AUTO_MARGIN = 0.1
@@ -76,18 +81,63 @@ def budget_bytes(resident: Resident, arenas: Sequence[Arena], held: int = 0) -> 
     return int(resident)
 
 
-def resident_prefixes(arenas: Sequence[Arena], ends: Sequence[list[int]], budget: int) -> list[int]:
-    """Per arena (in order), the elements of its resident prefix: the whole parameters from its
-    start that fit in what is left of ``budget`` bytes. ``ends[i]`` lists where each parameter
-    of arena ``i`` ends, in memory order (so a prefix never splits a parameter)."""
-    prefixes = []
-    for arena, arena_ends in zip(arenas, ends, strict=True):
-        per_element = arena.state_bytes(1)
-        numel = 0
-        for end in arena_ends:
-            if end * per_element > budget:
-                break
-            numel = end
-        budget -= numel * per_element
-        prefixes.append(numel)
-    return prefixes
+def choose_resident(slots: Iterable[Slot], budget: int) -> dict[Arena, ResidentRanges]:
+    """The state to keep resident within ``budget`` bytes: ``slots`` in order of preference
+    (the parameters the forward pass uses first), each whole parameter kept if its state fits
+    in what is left, so one too large is passed over for smaller ones after it. Arenas with
+    nothing resident are left out."""
+    taken: dict[Arena, list[tuple[int, int]]] = {}
+    for slot in slots:
+        nbytes = slot.arena.state_bytes(slot.layout.numel)
+        if nbytes <= budget:
+            budget -= nbytes
+            taken.setdefault(slot.arena, []).append((slot.offset, slot.offset + slot.layout.numel))
+    return {arena: ResidentRanges.of(pieces) for arena, pieces in taken.items()}
+
+
+@dataclass(frozen=True)
+class ResidentRanges:
+    """The ranges ``[start, stop)`` of an arena kept on the device, sorted and apart (adjacent
+    ones merged). On the device they lie one after another from offset 0."""
+
+    ranges: tuple[tuple[int, int], ...] = ()
+    #: Where each range starts on the device, and the total at the end.
+    _device: list[int] = field(init=False, compare=False, repr=False)
+    #: Every range's start and stop: a chunk never spans one (it is resident or not as a whole).
+    edges: frozenset[int] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        device = [0]
+        for start, stop in self.ranges:
+            device.append(device[-1] + stop - start)
+        object.__setattr__(self, "_device", device)
+        object.__setattr__(self, "edges", frozenset(e for r in self.ranges for e in r))
+
+    @classmethod
+    def of(cls, pieces: Iterable[tuple[int, int]]) -> ResidentRanges:
+        """From disjoint ranges in any order; empty ones dropped, adjacent ones merged."""
+        merged: list[tuple[int, int]] = []
+        for start, stop in sorted(p for p in pieces if p[1] > p[0]):
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], stop)
+            else:
+                merged.append((start, stop))
+        return cls(tuple(merged))
+
+    @property
+    def numel(self) -> int:
+        """Elements kept on the device (per state key)."""
+        return self._device[-1]
+
+    def device_start(self, start: int, stop: int) -> int | None:
+        """Where the host range ``[start, stop)`` lies in the device buffers, or None where it
+        is not resident as a whole."""
+        index = bisect.bisect_right(self.ranges, (start, math.inf)) - 1
+        if index < 0 or stop > self.ranges[index][1]:
+            return None
+        return self._device[index] + start - self.ranges[index][0]
+
+    def pieces(self) -> Iterator[tuple[slice, slice]]:
+        """Per range, its slice of the host buffers and of the device buffers."""
+        for (start, stop), device in zip(self.ranges, self._device, strict=False):
+            yield slice(start, stop), slice(device, device + stop - start)

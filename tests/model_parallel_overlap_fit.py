@@ -20,10 +20,10 @@ from lightning_models import trainer
 from model_parallel_fit import STEPS, ShardedModel, full, strategy
 from stream_checker import StreamChecker
 
-#: Resumes of the offload run (fitted with a resident share of 0.5) from its step-2 checkpoint.
-#: A resume lays the state out in parameter order (Lightning's load makes it before any forward
-#: pass), where the first parameter's state exceeds half of it: 0.5 then keeps nothing resident,
-#: and 0.9 is the share that does keep state resident after a resume.
+#: Resumes of the offload run (fitted with a resident share of 0.5) from its step-2 checkpoint,
+#: into the same share, a larger one and none. A resume lays the state out in parameter order
+#: (Lightning's load runs before any forward pass); the resident choice still follows the first
+#: forward pass, so the same share keeps as much resident as the uninterrupted run.
 RESUMES = {"resident-0.5": 0.5, "resident-0.9": 0.9, "resident-none": None}
 COMMON = {"precision": "bf16-mixed", "gradient_clip_val": 0.05}
 HPARAMS = {"warmup_steps": 1, "lr_schedule": "cosine", "force_staging": True}

@@ -131,6 +131,36 @@ def test_allocation_failure_while_staging_leaves_everything_untouched(monkeypatc
     opt.step()  # and the optimizer still works afterwards
 
 
+def test_resident_allocation_failure_leaves_everything_untouched_and_chooses_again(monkeypatch):
+    """The second step chooses the resident state and allocates its device buffers before
+    anything changes; out of memory there leaves model and state as they were, and the next
+    step chooses again, bit-identical to torch."""
+    params = make_params()
+    reference = [p.detach().clone().requires_grad_() for p in params]
+    ours = OffloadAdamW(params, force_staging=True, chunk_size=64, resident=0.5)
+    theirs = torch.optim.AdamW(reference, fused=True)
+    generator = torch.Generator().manual_seed(3)
+    step_together([ours, theirs], [params, reference], generator, 1)
+    set_grads([params, reference], generator)
+    before = snapshot(ours, params)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated: out of accelerator memory for resident state")
+
+    monkeypatch.setattr(pipeline_module.torch, "empty", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="resident state"):
+        ours.step()
+    monkeypatch.undo()
+    assert_unchanged(ours, params, before)
+    assert ours.memory_stats()["resident_bytes"] == 0
+    ours.step()
+    theirs.step()
+    assert ours.memory_stats()["resident_bytes"] > 0
+    assert_same(params, reference)
+    for index, entry in theirs.state_dict()["state"].items():
+        assert_same(list(ours.state_dict()["state"][index].values()), list(entry.values()))
+
+
 def corrupt(state_dict: dict, how: str) -> dict:
     broken = copy.deepcopy(state_dict)
     if how == "groups":

@@ -39,16 +39,23 @@ def test_overlapped_fit_bit_identical_to_torch_adamw_on_both_ranks(ranks):
 
 @pytest.mark.parametrize("resume", ["resident-0.5", "resident-0.9", "resident-none"])
 def test_sharded_resume_bit_identical_to_torch_adamws_resume(ranks, resume):
-    """Saved at step 2 with part of the state resident; resumed into the same share, a larger
-    one (which keeps state resident after a resume, see the worker's RESUMES) and none."""
+    """Saved at step 2 with part of the state resident; resumed into the same share (which keeps
+    as much resident as the uninterrupted run, though the load lays the state out in another
+    order), a larger one and none."""
     for result in ranks:
         ours = result["offload"]["resumed"][resume]
         reference = result["torch"]["resumed"]["reference"]
         assert ours["violations"] == [] and reference["violations"] == []
         assert ours["facts"]["overlapping"] and ours["facts"]["step"] == 4
-        if resume == "resident-0.9":
-            assert ours["facts"]["resident_bytes"] > 0
-        if resume == "resident-none":
-            assert ours["facts"]["resident_bytes"] == 0
+        uninterrupted = result["offload"]["facts"]["resident_bytes"]
+        expected = {"resident-0.5": uninterrupted, "resident-none": 0}
+        if resume in expected:
+            assert ours["facts"]["resident_bytes"] == expected[resume]
+        else:
+            assert (
+                uninterrupted
+                <= ours["facts"]["resident_bytes"]
+                <= 0.9 * ours["facts"]["state_bytes"]
+            )
         assert_same(ours["params"], reference["params"])
         assert_same(ours["params"], result["offload"]["params"])  # resuming changed nothing

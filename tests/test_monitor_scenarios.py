@@ -181,14 +181,13 @@ def test_overlap_prefetch_dropped_then_queued_again_is_not_lost(tmp_path, monkey
 
 
 def resident_numel(share: float, order: list[int]) -> int:
-    """The documented choice: whole parameters from the arena's start within share * state."""
+    """The documented choice: whole parameters in ``order``, each that fits in what is left of
+    share * state."""
     budget = int(share * STATE)
-    numel = end = 0
+    numel = 0
     for n in order:
-        end += n
-        if end * 8 > budget:
-            break
-        numel = end
+        if (numel + n) * 8 <= budget:
+            numel += n
     return numel
 
 

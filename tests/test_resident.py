@@ -42,16 +42,18 @@ def test_bit_identical_to_torch_whatever_the_share(stream_order, resident, amsgr
             assert_same([saved[index][key]], [theirs.state[r][key]])
 
 
-def test_whole_parameters_from_the_start_stay_resident_and_are_not_copied():
+def test_whole_parameters_in_order_stay_resident_and_are_not_copied():
     params = make_params(SHAPES)
-    opt = staged(params, resident=0.4)  # 0.4 * 1259 elements: the first two parameters fit
+    # 0.4 * 1259 elements: the first two parameters fit, the third (320) does not and is passed
+    # over, the fourth (7) fits in what is left, the fifth (640) does not.
+    opt = staged(params, resident=0.4)
     generator = torch.Generator().manual_seed(1)
     step_together([opt], [params], generator, 1)
     assert opt.memory_stats()["resident_bytes"] == 0  # chosen from the second step on
     step_together([opt], [params], generator, 2)
-    assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100)
+    assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100 + 7)
     moved = opt.last_step.resolve()
-    assert moved.bytes_in == moved.bytes_out == STATE - 8 * (192 + 100)
+    assert moved.bytes_in == moved.bytes_out == STATE - 8 * (192 + 100 + 7)
 
 
 def test_bf16_parameters_with_master_copies(stream_order):
@@ -101,8 +103,8 @@ def test_auto_keeps_what_is_free_after_the_first_step_less_a_margin(monkeypatch)
     opt = staged(params, resident="auto")
     step_together([opt], [params], torch.Generator().manual_seed(4), 2)
     # 3000 bytes free beyond the 2 GiB margin: the first parameter (1536 B) and the second
-    # (800 B) fit, the third (2560 B) does not.
-    assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100)
+    # (800 B) fit, the third (2560 B) does not, the fourth (56 B) does, the fifth does not.
+    assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100 + 7)
 
 
 @pytest.mark.parametrize(("fraction", "expected_gib"), [(1.0, 50), (0.5, 10)])

@@ -6,9 +6,10 @@ Covers what test_resident.py does not: param groups added after some steps (the 
 is made again), parameters that first get a gradient late, loads mid-training into another share
 (with overlap, between a step and the next forward and between a forward and its backward),
 reads of the state and copies of the optimizer between an overlapped step and the next forward,
-amsgrad with bf16 and complex parameters, gaps around the end of the resident prefix,
+amsgrad with bf16 and complex parameters, gaps around the end of the resident state,
 accumulated gradients zeroed in place, steps that are all resident or have no resident chunk,
-FSDP2, and byte budgets / "auto" at their edges.
+FSDP2, byte budgets / "auto" at their edges, and a resume keeping the parameters the
+forward pass uses first (laid out in another order).
 """
 
 from __future__ import annotations
@@ -476,7 +477,8 @@ def test_fsdp2_with_a_resident_share_and_overlap(mesh):
 # ------------------------------------------------------------- 7. budgets
 @pytest.mark.parametrize(
     ("budget", "expected"),
-    [(8 * 192 - 1, 0), (8 * 192, 8 * 192), (8 * (192 + 100 + 320), 8 * 612), (0, 0)],
+    [(8 * 192 - 1, 8 * 107), (8 * 192, 8 * 192), (8 * (192 + 100 + 320), 8 * 612), (0, 0)],
+    # below the first: the second and fourth parameters (apart on the host) are kept instead
     ids=["below-first", "first-exactly", "three-exactly", "zero"],
 )
 def test_byte_budgets_at_parameter_boundaries(stream_order, budget, expected):
@@ -527,6 +529,104 @@ def test_auto_follows_free_memory_when_it_chooses_again(stream_order, monkeypatc
     assert resident_bytes(ours) == (8 * 192 if change == "shrinks" else 8 * (612 + 7))
     assert_same(params, reference)
     assert_same_state(ours, theirs)
+
+
+# ------------------------------------------------------------- 8. which parameters
+class Reversed(nn.Module):
+    """Three Linear layers declared in the reverse of the order the forward pass uses them:
+    ``first`` 192 + 24, ``middle`` 384 + 16, ``last`` 128 + 8 elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.last, self.middle, self.first = nn.Linear(16, 8), nn.Linear(24, 16), nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.middle(torch.tanh(self.first(x)))))
+
+
+def resident_names(opt: OffloadAdamW, model: nn.Module) -> set[str]:
+    """The parameters whose state ``opt`` keeps resident on the device."""
+    names = set()
+    for name, param in model.named_parameters():
+        slot = opt._host.slots.get(param)
+        stop = None if slot is None else slot.offset + slot.layout.numel
+        if slot is not None and slot.arena.resident.device_start(slot.offset, stop) is not None:
+            names.add(name)
+    return names
+
+
+def test_a_resume_keeps_the_parameters_the_forward_pass_uses_first(stream_order):
+    """A resume lays the state out in parameter (declaration) order, before any forward pass;
+    the resident choice still follows the forward order, as in the uninterrupted run: 0.3 of
+    the state keeps ``first`` (216 elements) and, in what is left, ``last.bias`` (8), which lie
+    apart on the host then. Bit-identical to torch through the resume, a state dict taken
+    between steps (resident state written back range by range) and the steps after it."""
+    model, twin = Reversed(), Reversed()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.3)
+    ours.overlap_with(model)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(21)
+    train([(model, ours), (twin, theirs)], generator, 3)
+    kept = {"first.weight", "first.bias", "last.bias"}
+    assert resident_names(ours, model) == kept
+    saved, saved_torch = copy.deepcopy(ours.state_dict()), copy.deepcopy(theirs.state_dict())
+
+    resumed, resumed_twin = Reversed(), Reversed()
+    resumed.load_state_dict(model.state_dict())
+    resumed_twin.load_state_dict(twin.state_dict())
+    again = OffloadAdamW(resumed.parameters(), force_staging=True, chunk_size=64, resident=0.3)
+    again.overlap_with(resumed)
+    again.load_state_dict(saved)
+    again_torch = reference_for(resumed_twin.parameters(), lr=1e-3)
+    again_torch.load_state_dict(saved_torch)
+    slots = again._host.slots
+    assert slots[resumed.last.weight].offset < slots[resumed.first.weight].offset  # declared
+    for steps in (2, 2):
+        train([(model, ours), (resumed, again), (resumed_twin, again_torch)], generator, steps)
+        assert resident_names(again, resumed) == kept
+        assert resident_bytes(again) == resident_bytes(ours) == 8 * (216 + 8)
+        assert_same_state(again, again_torch)  # between a step and the next forward
+    resumed(batch(generator))
+    ours.wait_for_updates()
+    stream_order.expect_none()
+    assert_same(list(resumed.parameters()), list(resumed_twin.parameters()))
+    assert_same(list(resumed.parameters()), list(model.parameters()))
+
+
+def test_steps_after_the_choice_never_block_the_host(stream_order, monkeypatch):
+    """The resident choice waits for the host buffers once (at the second step; after a resume,
+    at its first); overlapped steps and forward passes after it never wait for an event on the
+    host, which on a GPU would stall the queue the overlap depends on. Nor does an evaluation
+    forward pass that first uses a module (the order it records grows, the choice stays)."""
+    from stream_checker import SimEvent
+
+    waits = []
+    synchronize = SimEvent.synchronize
+    monkeypatch.setattr(SimEvent, "synchronize", lambda e: (waits.append(e), synchronize(e)))
+    generator = torch.Generator().manual_seed(22)
+
+    def run(steps: int, resume_from: dict | None = None) -> OffloadAdamW:
+        net = nn.ModuleDict({"body": Reversed(), "probe": nn.Linear(8, 2)})
+        opt = OffloadAdamW(net.parameters(), force_staging=True, chunk_size=64, resident=0.3)
+        opt.overlap_with(net)
+        if resume_from is not None:
+            opt.load_state_dict(resume_from)
+        first = 1 if resume_from is not None else 2  # the steps up to the choice may wait
+        train([(net["body"], opt)], generator, first)
+        waits.clear()
+        train([(net["body"], opt)], generator, steps)
+        with torch.no_grad():
+            net["probe"](batch(generator))  # first used: the forward order grows
+        train([(net["body"], opt)], generator, steps)
+        assert waits == []
+        assert resident_bytes(opt) == 8 * (216 + 8)
+        net["body"](batch(generator))
+        return opt
+
+    saved = run(2).state_dict()
+    run(2, resume_from=saved)
+    stream_order.expect_none()
 
 
 # ------------------------------------------------- loads and edits through the state dict
