@@ -111,10 +111,10 @@ class OffloadAdamW(torch.optim.AdamW):
             the device after the first step, within any per-process memory fraction, less a
             margin of 10% of the device's memory and at least 2 GiB).
             Whole parameters, those the forward pass uses first (see :meth:`overlap_with`;
-            else in memory order), each kept if it fits in what is left. Chosen at the start
-            of each step whose parameters' state is laid out anew or whose forward pass first
-            used a parameter (from the second step); checkpoints are the same whatever the
-            share.
+            else as the param groups list them), each kept if it fits in what is left.
+            Chosen at the start of each step whose parameters' state is laid out anew or whose
+            forward pass first used a parameter (from the second step); checkpoints are the
+            same whatever the share.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -291,22 +291,29 @@ class OffloadAdamW(torch.optim.AdamW):
         return self._overlap
 
     def _choose_resident(self) -> None:
-        """Choose the resident state again when the arenas, or what is known of the order in
-        which the forward pass uses the parameters, changed since the last choice (a resume
-        lays the state out before any forward pass: the choice follows the first one)."""
+        """Choose the resident state again when the arenas, or the parameters whose first use in
+        the forward pass is known, changed since the last choice (a resume lays the state out
+        before any forward pass: the choice follows the first one).
+
+        Parameters are taken by first use, then as the param groups list them, never by where
+        their state lies: a resumed run (laid out in declaration order) keeps what the
+        uninterrupted run (laid out in forward order) keeps.
+        """
         arenas = [a for a in self._host.arenas if self._pipeline.stages(a.device)]
         overlap = self._overlapping()
-        known = (len(overlap.order), overlap.early_version) if overlap is not None else None
+        known = len(overlap.order) if overlap is not None else None
         key = (tuple(weakref.ref(a) for a in arenas), known)  # dead arenas' ids may be reused
         if key == self._resident_for:
             return
-        position = {id(a): i for i, a in enumerate(arenas)}
-        staged = [(p, s) for p, s in self._host.slots.items() if id(s.arena) in position]
-        rank = overlap.rank if overlap is not None else lambda _: 0  # then in memory order
-        staged.sort(key=lambda ps: (rank(ps[0]), position[id(ps[1].arena)], ps[1].offset))
+        staged = {id(a) for a in arenas}
+        slots = self._host.slots
+        listed = [p for g in self.param_groups for p in g["params"]]
+        first_use = overlap.first_use if overlap is not None else lambda _: 0
+        listed.sort(key=first_use)  # stable: ties stay in param-group order
+        candidates = (slots[p] for p in listed if p in slots and id(slots[p].arena) in staged)
         # Resident buffers held now are freed by the new choice: "auto" may count them.
         budget = budget_bytes(self.resident, arenas, held=self._pipeline.resident_bytes)
-        chosen = choose_resident((slot for _, slot in staged), budget)
+        chosen = choose_resident(candidates, budget)
         ranges = {a: chosen.get(a, ResidentRanges()) for a in arenas}
         if any(a.resident != r for a, r in ranges.items()):
             self._pipeline.wait_host()  # resident state newer than the host's is written back

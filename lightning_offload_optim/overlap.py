@@ -110,10 +110,15 @@ class ForwardOverlap:
                 seen.add(id(event))
                 self._pipeline.caller_waits(event, device)
 
+    def first_use(self, param: Tensor) -> int:
+        """Where ``param`` was first used in the forward passes seen; after all of them if
+        never."""
+        return self.order.get(param, len(self.order))
+
     def rank(self, param: Tensor) -> int:
         """Where ``param``'s update goes: parameters read before any hook first, then by first
         use in the forward pass, then the rest."""
-        return -1 if id(param) in self.early else self.order.get(param, len(self.order))
+        return -1 if id(param) in self.early else self.first_use(param)
 
     def stepped(self, updates: Iterable[tuple[Tensor, Any, torch.device]]) -> None:
         """A step queued these updates (parameter, event after its update, device); order the

@@ -169,6 +169,7 @@ class StagingPipeline:
                         continue
                     buffer[key] = torch.empty(numel, dtype=dtype, device=device)
                     streams.used_by_side_streams(buffer[key])
+                    self._prefetched = {}  # copies queued ahead went into the old buffers
 
     @property
     def staging_bytes(self) -> int:

@@ -1,14 +1,14 @@
 """Keep part of the state on the device: the share that fits never crosses the link.
 
 The resident state is whole parameters, chosen in the order the forward pass first uses them
-(when the optimizer overlaps it; else in memory order): each is kept if its state fits in what
-is left of the budget, so the parameters the next forward needs first are ready at once and
-the rest streams while their layers compute. Their host ranges need not be adjacent (after a
-resume the host buffers keep the checkpoint's parameter order); on the device they are packed
-one after another in buffers of their own, where the same fused kernel updates them in place,
-never copied. The host buffers stay the state of record: the pipeline copies resident state
-back before anyone reads them (``state_dict()``, checkpoints, ``offloaded_state``) and reloads
-it after they are written (a load), so checkpoints look the same whatever the split.
+(when the optimizer overlaps it; else as the param groups list them): each is kept if its state
+fits in what is left of the budget, so the parameters the next forward needs first are ready at
+once and the rest streams while their layers compute. Their host ranges need not be adjacent
+(after a resume the host buffers keep the checkpoint's parameter order); on the device they are
+packed one after another in buffers of their own, where the same fused kernel updates them in
+place, never copied. The host buffers stay the state of record: the pipeline copies resident
+state back before anyone reads them (``state_dict()``, checkpoints, ``offloaded_state``) and
+reloads it after they are written (a load), so checkpoints look the same whatever the split.
 """
 
 from __future__ import annotations

@@ -582,6 +582,42 @@ def test_root_parameter_reused_module_and_a_branch_on_some_steps(
     assert state[offload.scale]["step"] == 7
 
 
+class LateWideNet(nn.Module):
+    """``narrow`` (36 elements) is trained from the first step, ``wide`` (108) from the third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.narrow, self.wide = nn.Linear(8, 4), nn.Linear(8, 12)
+
+    def forward(self, x: torch.Tensor, use_wide: bool) -> torch.Tensor:
+        loss = self.narrow(x).pow(2).sum()
+        return loss + self.wide(x).pow(2).sum() if use_wide else loss
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_a_wider_layer_first_used_later_grows_the_staging_buffers(stream_order, resident):
+    """The forward pass before step 3 queues copies of step 2's first chunk into the staging
+    buffers; step 3 needs larger ones (``wide`` joins) and allocates them: the queued copies
+    went into the old buffers and must not be taken for the new ones' contents."""
+    model, twin = LateWideNet(), LateWideNet()
+    ours = OffloadAdamW(
+        model.parameters(), lr=0.01, force_staging=True, chunk_size=256, resident=resident
+    )
+    ours.overlap_with(model)
+    theirs = torch.optim.AdamW(twin.parameters(), lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(5):
+        x = torch.randn(5, 8, generator=generator)
+        for net, optimizer in ((model, ours), (twin, theirs)):
+            net(x, use_wide=step >= 2).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    model(x, use_wide=True)  # waits for the last updates
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
 # --------------------------------------------------------------- 6. manual optimization
 class Manual(Base):
     """Manual optimization: two ``step()`` calls per batch on disjoint sets of parameters

@@ -629,6 +629,106 @@ def test_steps_after_the_choice_never_block_the_host(stream_order, monkeypatch):
     stream_order.expect_none()
 
 
+class LayerDrop(nn.Module):
+    """Eight layers of 64 x 64 + 64; the forward pass skips layer ``skip``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(8))
+
+    def forward(self, x: torch.Tensor, skip: int | None) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                x = torch.tanh(layer(x))
+        return x.pow(2).sum()
+
+
+def test_layers_skipped_in_turn_keep_the_choice(stream_order, monkeypatch):
+    """Gradients zeroed in place (so a skipped layer still steps, with a zero gradient): each
+    step skips another layer, which the overlap then updates first ("early", not reached by
+    its hook). That is not a new first use: the resident choice stays, with no host wait, no
+    re-upload, and the bytes moved stay those of the other half. Bit-identical to torch."""
+    from stream_checker import SimEvent
+
+    waits = []
+    synchronize = SimEvent.synchronize
+    monkeypatch.setattr(SimEvent, "synchronize", lambda e: (waits.append(e), synchronize(e)))
+    model, twin = LayerDrop(), LayerDrop()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=4096, resident=0.5)
+    ours.overlap_with(model)
+    theirs = reference_for(twin.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(23)
+    half = 8 * 4 * (64 * 64 + 64)  # four layers' moments
+    for step in range(10):
+        waits.clear()
+        x = torch.randn(4, 64, generator=generator)
+        skip = 9 - step if step >= 2 else None
+        for net, optimizer in ((model, ours), (twin, theirs)):
+            net(x, skip).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        if step >= 2:  # the choice (at the second step) waits for the host buffers
+            assert waits == []
+        if step >= 1:
+            assert resident_bytes(ours) == half
+            assert ours.last_step.resolve().bytes_out == half  # resolve() waits
+    assert len(ours._overlap.early) == 2 * 8  # every layer's weight and bias, in turn
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert_same_state(ours, theirs)
+
+
+def test_a_resume_keeps_the_same_parameters_outside_the_forward_pass():
+    """Parameters that no forward hook reaches (outside the overlapped module) tie in the forward
+    order; the tie goes by the param groups' order, not by where the state lies (forward order
+    uninterrupted, declaration order after a resume): both runs keep the same one. The budget
+    keeps the four layer tensors and then a bf16 vector (its master copy is a third key) or an
+    fp32 one, not both."""
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        vectors = [
+            nn.Parameter(torch.randn(64, dtype=torch.bfloat16)),
+            nn.Parameter(torch.randn(64)),
+        ]
+        opt = OffloadAdamW(
+            [vectors[0], *model.parameters(), vectors[1]],
+            force_staging=True,
+            chunk_size=64,
+            resident=8 * (2 * 72) + 12 * 64,
+        )
+        opt.overlap_with(model)
+        return model, vectors, opt
+
+    def train_on(model, vectors, opt, inputs):
+        for x in inputs:
+            loss = model(x).pow(2).sum()
+            (loss + sum((v.float() * x.mean()).pow(2).sum() for v in vectors)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    generator = torch.Generator().manual_seed(24)
+    inputs = [torch.randn(4, 8, generator=generator) for _ in range(6)]
+    model, vectors, opt = build()
+    train_on(model, vectors, opt, inputs[:3])
+    saved = copy.deepcopy(opt.state_dict())
+    weights = copy.deepcopy([*model.parameters(), *vectors])
+    train_on(model, vectors, opt, inputs[3:])
+    resumed, resumed_vectors, again = build()
+    with torch.no_grad():
+        for param, weight in zip([*resumed.parameters(), *resumed_vectors], weights, strict=True):
+            param.copy_(weight)
+    again.load_state_dict(saved)
+    train_on(resumed, resumed_vectors, again, inputs[3:])
+    for run, net, vecs in ((opt, model, vectors), (again, resumed, resumed_vectors)):
+        net.vectors = nn.ParameterList(vecs)  # named for resident_names
+        assert resident_names(run, net) == {"0.weight", "0.bias", "1.weight", "1.bias", "vectors.0"}
+        run.wait_for_updates()
+    assert_same(list(resumed.parameters()), list(model.parameters()))
+
+
 # ------------------------------------------------- loads and edits through the state dict
 def test_a_load_that_lays_state_out_anew_frees_the_old_state_with_overlap(stream_order):
     """A load that cannot write in place (the checkpoint has no state for one layer) replaces
