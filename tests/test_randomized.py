@@ -1,0 +1,152 @@
+"""Randomised scenarios against ``torch.optim.AdamW(fused=True)``, bit-identical, under the
+stream-ordering checker, on the staged pipeline (``force_staging=True``).
+
+Each seed draws a model (layers of assorted widths, some bf16 with fp32 master copies, a vector
+the loss reads outside any layer), a chunk size, a resident share or byte budget, amsgrad,
+whether the step overlaps the next forward, and a schedule: layers first used at later steps,
+the order layers run in, gradients dropped or zeroed in place, and, between a step and the next
+forward pass or between a backward pass and its step, evaluation forward passes,
+``state_dict()`` reads, edits of the moments through ``state_dict()``'s tensors (which are
+references, as torch's are) and loads of an edited copy. These mix the events that change chunk
+plans, staging buffers, prefetched copies and the resident choice at arbitrary points, which
+hand-written scenarios meet one at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from conftest import assert_same
+from torch import nn
+
+from lightning_offload_optim import OffloadAdamW
+
+STEPS = 8
+
+
+class Layers(nn.Module):
+    """Linear layers from 8 inputs, some in bf16; ``extra`` is read by the loss directly."""
+
+    def __init__(self, widths: list[int], bf16: set[int], seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Linear(8, w) for w in widths)
+        for i in bf16:
+            self.layers[i].to(torch.bfloat16)
+        self.extra = nn.Parameter(torch.randn(37))
+
+    def forward(self, x: torch.Tensor, use: list[int]) -> torch.Tensor:
+        loss = (self.extra * x.mean()).pow(2).sum()
+        for i in use:
+            layer = self.layers[i]
+            loss = loss + layer(x.to(layer.weight.dtype)).float().pow(2).sum()
+        return loss
+
+
+class Reference:
+    """torch's fused AdamW on fp32 masters of the twin's bf16 parameters (rounded into them after
+    each step), as OffloadAdamW keeps them."""
+
+    def __init__(self, twin: nn.Module, amsgrad: bool) -> None:
+        self.params = list(twin.parameters())
+        self.masters = [
+            nn.Parameter(p.detach().float()) if p.dtype == torch.bfloat16 else p
+            for p in self.params
+        ]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=0.01, fused=True, amsgrad=amsgrad)
+
+    def step(self, grads: list[torch.Tensor | None]) -> None:
+        for master, grad in zip(self.masters, grads, strict=True):
+            master.grad = None if grad is None else grad.float()
+        self.optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters, strict=True):
+                if param is not master:
+                    param.copy_(master)
+
+
+def draw(seed: int) -> dict:
+    rng = random.Random(seed)
+    count = rng.randint(3, 7)
+    widths = [rng.choice([1, 3, 7, 8, 9, 16, 24, 40]) for _ in range(count)]
+    state_bytes = 8 * (37 + sum(9 * w for w in widths))
+    return {
+        "widths": widths,
+        "bf16": {i for i in range(count) if rng.random() < 0.3},
+        "chunk_size": rng.choice([64, 128, 192, 256]),
+        "resident": rng.choice([None, rng.random(), rng.randint(0, state_bytes), 0.5, 1.0]),
+        "amsgrad": rng.random() < 0.3,
+        "overlap": rng.random() < 0.8,
+        "first_step": [rng.choice([0, 0, 0, 1, 2, 4]) for _ in range(count)],
+        "orders": [rng.sample(range(count), count) for _ in range(STEPS)],
+        "set_to_none": [rng.random() < 0.7 for _ in range(STEPS)],
+        "after_step": [rng.choice([None, None, *EVENTS]) for _ in range(STEPS)],
+        "before_step": [rng.choice([None, None, None, *EVENTS]) for _ in range(STEPS)],
+    }
+
+
+EVENTS = ("evaluate", "state_dict", "edit", "load")
+
+
+def between(event: str | None, model: Layers, ours: OffloadAdamW, reference: Reference) -> None:
+    """What the user does between a step and the next forward, or a backward and its step.
+    "edit" halves every first moment through the state dicts' tensors; "load" does the same to
+    a copy of ours and loads it."""
+    if event == "evaluate":
+        with torch.no_grad():
+            model(torch.ones(2, 8), list(range(len(model.layers))))
+    elif event == "state_dict":
+        ours.state_dict()
+    elif event in ("edit", "load"):
+        for entry in reference.optimizer.state_dict()["state"].values():
+            entry["exp_avg"].mul_(0.5)
+        saved = ours.state_dict()
+        if event == "load":
+            saved = copy.deepcopy(saved)
+        for entry in saved["state"].values():
+            entry["exp_avg"].mul_(0.5)
+        if event == "load":
+            ours.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_scenario_matches_torch(stream_order, seed):
+    case = draw(seed)
+    model = Layers(case["widths"], case["bf16"], seed)
+    twin = Layers(case["widths"], case["bf16"], seed)
+    ours = OffloadAdamW(
+        model.parameters(),
+        lr=0.01,
+        amsgrad=case["amsgrad"],
+        force_staging=True,
+        chunk_size=case["chunk_size"],
+        resident=case["resident"],
+    )
+    if case["overlap"]:
+        ours.overlap_with(model)
+    reference = Reference(twin, case["amsgrad"])
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(STEPS):
+        x = torch.randn(5, 8, generator=generator)
+        use = [i for i in case["orders"][step] if case["first_step"][i] <= step]
+        model(x, use).backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        between(case["before_step"][step], model, ours, reference)
+        ours.step()
+        reference.step(grads)
+        ours.zero_grad(set_to_none=case["set_to_none"][step])
+        reference.optimizer.zero_grad(set_to_none=case["set_to_none"][step])
+        between(case["after_step"][step], model, ours, reference)
+    model(torch.randn(5, 8, generator=generator), [])  # waits for the last updates
+    ours.wait_for_updates()
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    saved = ours.state_dict()["state"]
+    expected = reference.optimizer.state_dict()["state"]
+    assert sorted(saved) == sorted(expected)
+    for index, entry in expected.items():
+        for key, value in entry.items():
+            assert torch.equal(saved[index][key].float(), value.float()), (index, key)
