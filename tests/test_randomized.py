@@ -3,7 +3,9 @@ stream-ordering checker, on the staged pipeline (``force_staging=True``).
 
 Each seed draws a model (layers of assorted widths, some bf16 with fp32 master copies, a vector
 the loss reads outside any layer), a chunk size, a resident share or byte budget, amsgrad,
-whether the step overlaps the next forward, and a schedule: layers first used at later steps,
+whether the step overlaps the next forward, param groups (their own lr, weight decay, betas and
+maximize; layers first used later may join by ``add_param_group``; the first group's lr may be
+a tensor) and a schedule: lr decays as a scheduler makes them, layers first used at later steps,
 the order layers run in, gradients dropped or zeroed in place, and, between a step and the next
 forward pass or between a backward pass and its step, evaluation forward passes,
 ``state_dict()`` reads, edits of the moments through ``state_dict()``'s tensors (which are
@@ -48,15 +50,20 @@ class Layers(nn.Module):
 
 class Reference:
     """torch's fused AdamW on fp32 masters of the twin's bf16 parameters (rounded into them after
-    each step), as OffloadAdamW keeps them."""
+    each step), as OffloadAdamW keeps them; groups name parameters by index."""
 
-    def __init__(self, twin: nn.Module, amsgrad: bool) -> None:
+    def __init__(self, twin: nn.Module, groups: list[dict], amsgrad: bool) -> None:
         self.params = list(twin.parameters())
         self.masters = [
             nn.Parameter(p.detach().float()) if p.dtype == torch.bfloat16 else p
             for p in self.params
         ]
-        self.optimizer = torch.optim.AdamW(self.masters, lr=0.01, fused=True, amsgrad=amsgrad)
+        self.optimizer = torch.optim.AdamW(
+            [self.group(g) for g in groups], fused=True, amsgrad=amsgrad
+        )
+
+    def group(self, group: dict) -> dict:
+        return {**group, "params": [self.masters[i] for i in group["params"]]}
 
     def step(self, grads: list[torch.Tensor | None]) -> None:
         for master, grad in zip(self.masters, grads, strict=True):
@@ -85,7 +92,44 @@ def draw(seed: int) -> dict:
         "set_to_none": [rng.random() < 0.7 for _ in range(STEPS)],
         "after_step": [rng.choice([None, None, *EVENTS]) for _ in range(STEPS)],
         "before_step": [rng.choice([None, None, None, *EVENTS]) for _ in range(STEPS)],
+        "group_of": [rng.choice([0, 0, 1]) for _ in range(count)],
+        "hyper": [
+            {
+                "lr": rng.choice([0.01, 0.003]),
+                "weight_decay": rng.choice([0.0, 0.01, 0.1]),
+                "betas": rng.choice([(0.9, 0.999), (0.8, 0.99)]),
+                "maximize": rng.random() < 0.2,
+            }
+            for _ in range(2)
+        ],
+        "late_groups": rng.random() < 0.3,  # layers first used later join by add_param_group
+        "tensor_lr": rng.random() < 0.3,  # the first group's lr is a tensor, changed in place
+        "lr_decay": [rng.random() < 0.3 for _ in range(STEPS)],
     }
+
+
+def group_plan(case: dict) -> dict[int, list[dict]]:
+    """Per step, the param groups added then (step 0: the constructor's), parameters by index:
+    layer ``i`` has parameters ``2i`` and ``2i + 1``, ``extra`` is the last, in group 0."""
+    members: dict[tuple[int, int], list[int]] = {(0, 0): [2 * len(case["widths"])]}
+    for layer, first in enumerate(case["first_step"]):
+        added = first if case["late_groups"] else 0
+        members.setdefault((added, case["group_of"][layer]), []).extend([2 * layer, 2 * layer + 1])
+    plan: dict[int, list[dict]] = {}
+    for (added, kind), params in sorted(members.items()):
+        plan.setdefault(added, []).append({**case["hyper"][kind], "params": params})
+    if case["tensor_lr"]:
+        plan[0][0]["lr"] = torch.tensor(plan[0][0]["lr"])
+    return plan
+
+
+def decay_lr(optimizer: torch.optim.Optimizer) -> None:
+    """What a scheduler does to the first group: a tensor lr in place, a float replaced."""
+    group = optimizer.param_groups[0]
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].mul_(0.7)
+    else:
+        group["lr"] *= 0.7
 
 
 EVENTS = ("evaluate", "state_dict", "edit", "load")
@@ -117,9 +161,14 @@ def test_random_scenario_matches_torch(stream_order, seed):
     case = draw(seed)
     model = Layers(case["widths"], case["bf16"], seed)
     twin = Layers(case["widths"], case["bf16"], seed)
+    plan = group_plan(case)
+    params = list(model.parameters())
+
+    def ours_group(group: dict) -> dict:
+        return {**copy.deepcopy(group), "params": [params[i] for i in group["params"]]}
+
     ours = OffloadAdamW(
-        model.parameters(),
-        lr=0.01,
+        [ours_group(g) for g in plan[0]],
         amsgrad=case["amsgrad"],
         force_staging=True,
         chunk_size=case["chunk_size"],
@@ -127,9 +176,12 @@ def test_random_scenario_matches_torch(stream_order, seed):
     )
     if case["overlap"]:
         ours.overlap_with(model)
-    reference = Reference(twin, case["amsgrad"])
+    reference = Reference(twin, copy.deepcopy(plan[0]), case["amsgrad"])
     generator = torch.Generator().manual_seed(seed)
     for step in range(STEPS):
+        for group in plan.get(step, []) if step else []:
+            ours.add_param_group(ours_group(group))
+            reference.optimizer.add_param_group(reference.group(group))
         x = torch.randn(5, 8, generator=generator)
         use = [i for i in case["orders"][step] if case["first_step"][i] <= step]
         model(x, use).backward()
@@ -140,6 +192,9 @@ def test_random_scenario_matches_torch(stream_order, seed):
         ours.zero_grad(set_to_none=case["set_to_none"][step])
         reference.optimizer.zero_grad(set_to_none=case["set_to_none"][step])
         between(case["after_step"][step], model, ours, reference)
+        if case["lr_decay"][step]:
+            decay_lr(ours)
+            decay_lr(reference.optimizer)
     model(torch.randn(5, 8, generator=generator), [])  # waits for the last updates
     ours.wait_for_updates()
     stream_order.expect_none()
