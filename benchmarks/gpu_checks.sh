@@ -24,7 +24,8 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
   nproc
   free -g | head -2
 } 2>&1 | tee "$OUT/cuda_tests.txt"
-timeout 200 python3 -m pytest -v -m cuda -p no:cacheprovider --durations=8 tests/test_cuda.py 2>&1 \
+timeout 200 python3 -m pytest -v -m cuda -p no:cacheprovider --durations=8 tests/test_cuda.py \
+  tests/test_randomized.py 2>&1 \
   | tee -a "$OUT/cuda_tests.txt"
 tests=${PIPESTATUS[0]}
 timeout $((E2E_BUDGET_S + 90)) python3 benchmarks/gpu_end_to_end.py --budget-s "$E2E_BUDGET_S" \
