@@ -115,15 +115,20 @@ def test_non_dense_parameter_is_refused():
         opt.step()
 
 
+def fail_allocations(monkeypatch, what: str) -> None:
+    """Make the pipeline's allocations raise out of memory ("simulated: ... ``what``")."""
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(f"simulated: out of accelerator memory {what}")
+
+    monkeypatch.setattr(pipeline_module.torch, "empty", out_of_memory)
+
+
 def test_allocation_failure_while_staging_leaves_everything_untouched(monkeypatch):
     opt, params = trained(force_staging=True, chunk_size=64)
     before = snapshot(opt, params)
     opt._pipeline._buffers.clear()  # force a fresh allocation of the staging buffers
-
-    def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("simulated: out of accelerator memory while staging")
-
-    monkeypatch.setattr(pipeline_module.torch, "empty", out_of_memory)
+    fail_allocations(monkeypatch, "while staging")
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         opt.step()
     monkeypatch.undo()
@@ -143,11 +148,7 @@ def test_resident_allocation_failure_leaves_everything_untouched_and_chooses_aga
     step_together([ours, theirs], [params, reference], generator, 1)
     set_grads([params, reference], generator)
     before = snapshot(ours, params)
-
-    def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("simulated: out of accelerator memory for resident state")
-
-    monkeypatch.setattr(pipeline_module.torch, "empty", out_of_memory)
+    fail_allocations(monkeypatch, "for resident state")
     with pytest.raises(torch.OutOfMemoryError, match="resident state"):
         ours.step()
     monkeypatch.undo()
