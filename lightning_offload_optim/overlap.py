@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 if TYPE_CHECKING:
     from lightning_offload_optim.pipeline import StagingPipeline
@@ -51,7 +53,8 @@ class ForwardOverlap:
     ``nn.MultiheadAttention`` reads ``out_proj.weight``; the root's own when only a child is
     called, as a Lightning ``training_step`` does; parameters outside the tree) may be read
     before any hook runs: they are updated first, and the caller's stream waits for them as
-    soon as the step is queued.
+    soon as the step is queued. So are those read before their own module's hook ran in the
+    same pass, found by watching the forward passes before the first step (:class:`_ReadWatch`).
     Before a forward pass has been seen, it waits for everything.
     """
 
@@ -72,6 +75,11 @@ class ForwardOverlap:
         self._reached: set[int] = set()  # ids of parameters whose hook ran since the last step
         self._gradient_hooked: set[int] = set()  # ids of parameters with a gradient hook
         self.early: set[int] = set()  # ids of parameters no hook reached: updated first
+        #: ids of the module's parameters an op read before their hook ran (see _ReadWatch).
+        self.read_before_hook: set[int] = set()
+        self._module_params = {id(p) for p in module.parameters()}
+        self._watch: _ReadWatch | None = _ReadWatch(self)  # until the first step
+        self._watch_depth = 0
         self.early_version = 0  # changes whenever ``early`` does (chunk plans depend on it)
         self._handles = []
         for child in module.modules():
@@ -86,6 +94,10 @@ class ForwardOverlap:
         self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
         self._hook_gradients(module.parameters())
         self._handles.append(module.register_forward_hook(lambda *_: self._after_forward()))
+        self._handles.append(module.register_forward_pre_hook(lambda *_: self.begin_watch()))
+        self._handles.append(
+            module.register_forward_hook(lambda *_: self.end_watch(), always_call=True)
+        )
 
     def _after_forward(self) -> None:
         prefetch = self._prefetch() if self._prefetch is not None else None
@@ -128,10 +140,13 @@ class ForwardOverlap:
         self.pending.update(current)  # a parameter without a gradient keeps its last event
         self._hook_gradients(current)  # parameters unfrozen or outside the module since
         reached, self._reached = self._reached, set()
+        self._stop_watching()  # nothing is pending before the first step; from now on it is
         if not reached:  # no forward pass seen: nothing is known to wait later
             self.wait_all()
             return
-        unreached = {id(p) for p in current if id(p) not in reached}
+        unreached = {
+            id(p) for p in current if id(p) not in reached or id(p) in self.read_before_hook
+        }
         if not unreached <= self.early:
             self.early |= unreached
             self.early_version += 1
@@ -158,14 +173,78 @@ class ForwardOverlap:
         self._pipeline.join_updates()
         self.pending.clear()
 
+    def begin_watch(self) -> None:
+        """Watch a forward pass (or a Lightning ``training_step``) for parameters read before
+        their hook, until the first step (see :class:`_ReadWatch`); calls nest."""
+        if self._watch is not None:
+            if self._watch_depth == 0:
+                torch._C._push_on_torch_function_stack(self._watch)
+            self._watch_depth += 1
+
+    def end_watch(self) -> None:
+        """End what :meth:`begin_watch` began (nothing once the first step stopped it)."""
+        if self._watch_depth:
+            self._watch_depth -= 1
+            if self._watch_depth == 0:
+                _remove_mode(self._watch)
+
+    def _stop_watching(self) -> None:
+        if self._watch is not None and self._watch_depth:
+            _remove_mode(self._watch)
+        self._watch, self._watch_depth = None, 0
+
+    def _note_reads(self, values: Iterable[Any]) -> None:
+        for value in values:
+            if (
+                isinstance(value, Tensor)
+                and id(value) in self._module_params
+                and id(value) not in self._reached
+            ):
+                self.read_before_hook.add(id(value))
+
     def remove(self) -> None:
         """Wait for the queued updates and remove the hooks; the optimizer's steps are then
         synchronous again."""
         self.wait_all()
+        self._stop_watching()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self.removed = True
+
+
+class _ReadWatch(TorchFunctionMode):
+    """Watches the training forward passes before the first step for parameters that an op
+    reads before their module's forward pre-hook ran: a parent reading a child's weight before
+    calling the child (a tied decoder's ``F.linear(x, self.dec.weight.t())``,
+    ``F.embedding(tokens, self.emb.weight)``). Their hook runs later in the same pass, so they
+    count as reached, yet after a step that read would not wait: they are updated first and
+    waited for at each step instead, as parameters no hook reaches. Nothing is pending before
+    the first step, so watching only until then costs nothing later."""
+
+    def __init__(self, overlap: ForwardOverlap) -> None:
+        super().__init__()
+        self._overlap = weakref.ref(overlap)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        overlap = self._overlap()
+        if overlap is not None and torch.is_grad_enabled():
+            overlap._note_reads(tree_leaves((args, kwargs)))
+        return func(*args, **kwargs)
+
+
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off the torch-function mode stack wherever it is, the others kept in order
+    (a user's mode entered after it and still active must stay)."""
+    above = []
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
 
 
 def _is_fsdp2_unit(module: nn.Module) -> bool:

@@ -21,6 +21,7 @@ from conftest import assert_same, run_script
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_models import make_data, torch_reference, trainer
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
@@ -580,6 +581,115 @@ def test_root_parameter_reused_module_and_a_branch_on_some_steps(
     state = offload.trainer.optimizers[0].state
     assert state[offload.extra.weight]["step"] == (4 if extra_on == 0 else 3)
     assert state[offload.scale]["step"] == 7
+
+
+class ReadsBeforeCalling(Base):
+    """training_step reads the head's weight (a penalty) before the head runs, and looks the
+    tokens up in the embedding's weight functionally before the embedding module runs."""
+
+    def build(self) -> None:
+        self.emb = nn.Embedding(10, 8)
+        self.inp = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        tokens = (x.abs() * 3).long().clamp(max=9)[:, 0]
+        penalty = 1e-3 * self.head.weight.pow(2).sum()
+        h = x + F.embedding(tokens, self.emb.weight) + self.emb(tokens)
+        loss = F.mse_loss(self.head(torch.tanh(self.inp(h))), y) + penalty
+        self.train_losses.append(loss.detach().clone())
+        return loss
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_training_step_reading_weights_before_their_modules_run(tmp_path, stream_order, resident):
+    """Their modules' hooks run later in the same pass, so these weights count as reached by
+    a hook; the mixin watches training_step until the first step, sees the earlier reads, and
+    those weights are then waited for at each step."""
+    offload, reference = fit_pair(tmp_path, ReadsBeforeCalling, resident, max_steps=5)
+    assert_trained_alike(offload, reference, stream_order)
+    assert torch._C._len_torch_function_stack() == 0
+
+
+class TiedReadFirst(nn.Module):
+    """A tied autoencoder whose encoder reads the decoder's weight (transposed) before the
+    decoder runs, and an embedding looked up functionally before its module runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.dec = nn.Embedding(10, 8), nn.Linear(4, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(tokens, self.emb.weight)
+        out = self.dec(torch.tanh(F.linear(x, self.dec.weight.t())))
+        return (out - self.emb(tokens)).pow(2).mean()
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_tied_weights_read_before_their_modules_run(stream_order, resident):
+    """Plain PyTorch: the root's forward is watched until the first step."""
+    model, twin = TiedReadFirst(), TiedReadFirst()
+    ours = OffloadAdamW(
+        model.parameters(), lr=0.01, force_staging=True, chunk_size=64, resident=resident
+    )
+    ours.overlap_with(model)
+    theirs = torch.optim.AdamW(twin.parameters(), lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        tokens = torch.randint(0, 10, (6,), generator=generator)
+        for net, optimizer in ((model, ours), (twin, theirs)):
+            net(tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    ours.wait_for_updates()
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+def test_the_watch_leaves_the_mode_stack_as_it_was():
+    """The watch is a torch-function mode pushed for each forward pass until the first step: a
+    user's mode around the forward keeps seeing every op, and is the only one left after."""
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    model = TiedReadFirst()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)
+    ours.overlap_with(model)
+    tokens = torch.arange(6)
+    user = Counting()
+    for _ in range(2):
+        with user:
+            before = Counting.calls
+            loss = model(tokens)
+            assert Counting.calls > before + 4  # it saw the forward's ops
+            assert torch._C._len_torch_function_stack() == 1
+            assert torch.overrides._get_current_function_mode() is user
+        loss.backward()
+        ours.step()
+        ours.zero_grad()
+    assert torch._C._len_torch_function_stack() == 0
+    ours.wait_for_updates()
+
+
+def test_removing_a_mode_keeps_the_others_in_order():
+    from lightning_offload_optim.overlap import _remove_mode
+
+    modes = [TorchFunctionMode() for _ in range(3)]
+    for mode in modes:
+        torch._C._push_on_torch_function_stack(mode)
+    _remove_mode(modes[1])
+    left = [torch._C._get_function_stack_at(i) for i in range(2)]
+    _remove_mode(modes[2])
+    _remove_mode(modes[0])
+    assert left == [modes[0], modes[2]]
+    assert torch._C._len_torch_function_stack() == 0
 
 
 class LateWideNet(nn.Module):

@@ -224,6 +224,25 @@ class OffloadOptimizerMixin:
                 )
         super().on_fit_start()  # type: ignore[misc]
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+        """With ``overlap_step``, until the first step: watch ``training_step`` for weights it
+        reads before their module's forward (see :class:`~lightning_offload_optim.overlap.
+        ForwardOverlap`), which are then waited for at each step."""
+        for overlap in self._offload_overlaps():
+            overlap.begin_watch()
+        return super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for overlap in self._offload_overlaps():
+            overlap.end_watch()
+        super().on_train_batch_end(outputs, batch, batch_idx)  # type: ignore[misc]
+
+    def _offload_overlaps(self) -> list[Any]:
+        trainer = getattr(self, "_trainer", None)
+        optimizers = trainer.optimizers if trainer is not None else []
+        overlaps = [o._overlapping() for o in optimizers if isinstance(o, OffloadAdamW)]
+        return [o for o in overlaps if o is not None]
+
     def on_validation_model_eval(self) -> None:
         """With ``overlap_step``, order validation (whose steps may read parameters without the
         forward hooks, a root parameter say) after the last step's updates; Lightning calls
