@@ -522,7 +522,8 @@ class OffloadAdamW(torch.optim.AdamW):
         ``exp_avg_sq`` (and ``max_exp_avg_sq``), plus ``master_param`` for bf16/fp16 params.
 
         The moments are fp32 views of the host buffers, as torch returns references to its state
-        (what is written through them before the next ``step()`` is what that step uses);
+        (what is written through them before the next ``step()`` is what that step uses; unlike
+        torch's they do not follow later steps, so clone them to keep them past one);
         for DTensor parameters they are DTensors with the parameter's mesh, placements, global
         shape and stride over this rank's host buffers, as torch AdamW's DTensor state is.
         """
