@@ -29,6 +29,7 @@ run during the backward pass.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -78,8 +79,7 @@ class ForwardOverlap:
         #: ids of the module's parameters an op read before their hook ran (see _ReadWatch).
         self.read_before_hook: set[int] = set()
         self._module_params = {id(p) for p in module.parameters()}
-        self._watch: _ReadWatch | None = _ReadWatch(self)  # until the first step
-        self._watch_depth = 0
+        self._watch = _ReadWatch(self)  # notes reads until the first step
         self.early_version = 0  # changes whenever ``early`` does (chunk plans depend on it)
         self._handles = []
         for child in module.modules():
@@ -140,7 +140,7 @@ class ForwardOverlap:
         self.pending.update(current)  # a parameter without a gradient keeps its last event
         self._hook_gradients(current)  # parameters unfrozen or outside the module since
         reached, self._reached = self._reached, set()
-        self._stop_watching()  # nothing is pending before the first step; from now on it is
+        self._watch.stopped = True  # nothing was pending before the first step; now it is
         if not reached:  # no forward pass seen: nothing is known to wait later
             self.wait_all()
             return
@@ -173,25 +173,20 @@ class ForwardOverlap:
         self._pipeline.join_updates()
         self.pending.clear()
 
+    @property
+    def watching(self) -> bool:
+        """Whether forward passes are still watched for reads before hooks (until the first
+        step)."""
+        return not self._watch.stopped
+
     def begin_watch(self) -> None:
         """Watch a forward pass (or a Lightning ``training_step``) for parameters read before
-        their hook, until the first step (see :class:`_ReadWatch`); calls nest."""
-        if self._watch is not None:
-            if self._watch_depth == 0:
-                torch._C._push_on_torch_function_stack(self._watch)
-            self._watch_depth += 1
+        their hook, until the first step (see :class:`_ReadWatch`); calls nest, and each must
+        be matched by :meth:`end_watch`."""
+        self._watch.begin()
 
     def end_watch(self) -> None:
-        """End what :meth:`begin_watch` began (nothing once the first step stopped it)."""
-        if self._watch_depth:
-            self._watch_depth -= 1
-            if self._watch_depth == 0:
-                _remove_mode(self._watch)
-
-    def _stop_watching(self) -> None:
-        if self._watch is not None and self._watch_depth:
-            _remove_mode(self._watch)
-        self._watch, self._watch_depth = None, 0
+        self._watch.end()
 
     def _note_reads(self, values: Iterable[Any]) -> None:
         for value in values:
@@ -206,7 +201,8 @@ class ForwardOverlap:
         """Wait for the queued updates and remove the hooks; the optimizer's steps are then
         synchronous again."""
         self.wait_all()
-        self._stop_watching()
+        self._watch.stopped = True
+        self._watch.leave()  # this thread's forward pass may be running: its hook is gone
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -220,18 +216,63 @@ class _ReadWatch(TorchFunctionMode):
     ``F.embedding(tokens, self.emb.weight)``). Their hook runs later in the same pass, so they
     count as reached, yet after a step that read would not wait: they are updated first and
     waited for at each step instead, as parameters no hook reaches. Nothing is pending before
-    the first step, so watching only until then costs nothing later."""
+    the first step, so watching only until then costs nothing later.
+
+    An op reads a parameter's data when it returns tensors (a view included, as ``.T``): not
+    when it only reads or sets metadata (``.dtype``, ``.shape``, ``.grad``, ``requires_grad``,
+    as ``zero_grad`` and Lightning's ``toggle_optimizer`` do). The mode is on a thread's stack
+    while that thread's watched passes run (``begin``/``end`` nest per thread).
+    """
 
     def __init__(self, overlap: ForwardOverlap) -> None:
         super().__init__()
+        self.stopped = False
         self._overlap = weakref.ref(overlap)
+        self._depth = threading.local()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        result = func(*args, **kwargs)
         overlap = self._overlap()
-        if overlap is not None and torch.is_grad_enabled():
+        watched = not self.stopped and overlap is not None and torch.is_grad_enabled()
+        if watched and _reads_data(func, result):
             overlap._note_reads(tree_leaves((args, kwargs)))
-        return func(*args, **kwargs)
+        return result
+
+    def begin(self) -> None:
+        depth = getattr(self._depth, "value", 0)
+        if depth == 0 and self.stopped:
+            return
+        if depth == 0:
+            torch._C._push_on_torch_function_stack(self)
+        self._depth.value = depth + 1
+
+    def end(self) -> None:
+        depth = getattr(self._depth, "value", 0)
+        if depth:
+            self._depth.value = depth - 1
+            if depth == 1:
+                _remove_mode(self)
+
+    def leave(self) -> None:
+        """Off this thread's stack now, whatever the nesting."""
+        if getattr(self._depth, "value", 0):
+            self._depth.value = 0
+            _remove_mode(self)
+
+
+#: Properties whose value is a view of the tensor's data; other properties are metadata.
+_VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+
+
+def _reads_data(func: Any, result: Any) -> bool:
+    """Whether an op that got a parameter may have read (or aliased) its data."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) in _VIEW_PROPERTIES
+    if name in ("__set__", "requires_grad_"):
+        return False
+    return any(isinstance(value, Tensor) for value in tree_leaves(result))
 
 
 def _remove_mode(mode: TorchFunctionMode) -> None:

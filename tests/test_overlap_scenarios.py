@@ -678,6 +678,54 @@ def test_the_watch_leaves_the_mode_stack_as_it_was():
     ours.wait_for_updates()
 
 
+class ManualZeroGradFirst(Base):
+    """Manual optimization in the documented order: ``toggle_optimizer`` (sets
+    ``requires_grad`` on every parameter) and ``zero_grad`` (reads every ``.grad``) before the
+    forward, which also casts its input to a weight's dtype (metadata only)."""
+
+    def build(self) -> None:
+        self.inp = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        self.toggle_optimizer(optimizer)
+        optimizer.zero_grad()
+        h = torch.tanh(self.inp(x.to(self.head.weight.dtype)))
+        loss = F.mse_loss(self.head(h), y)
+        self.train_losses.append(loss.detach().clone())
+        self.manual_backward(loss)
+        optimizer.step()
+        self.untoggle_optimizer(optimizer)
+
+
+def test_metadata_reads_before_the_forward_are_not_reads(tmp_path, stream_order):
+    """Reading a weight's metadata or gradient, or setting ``requires_grad``, before its module
+    runs does not make it wait at each step: nothing here is updated early (the overlap
+    stays), and the result is the reference's."""
+    offload, reference = fit_pair(tmp_path, ManualZeroGradFirst, max_steps=4)
+    assert_trained_alike(offload, reference, stream_order)
+    overlap = offload.trainer.optimizers[0]._overlapping()
+    assert overlap.read_before_hook == set() and overlap.early == set()
+    assert "training_step" not in vars(offload)  # the watch's wrapper is gone after the step
+
+
+class RaisesOnSecondBatch(ReadsBeforeCalling):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            raise RuntimeError("bad batch")
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_watch_is_off_the_stack_when_training_step_raises(tmp_path):
+    model = RaisesOnSecondBatch(accumulate=2)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        trainer(tmp_path, max_steps=3, accumulate_grad_batches=2).fit(model)
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_removing_a_mode_keeps_the_others_in_order():
     from lightning_offload_optim.overlap import _remove_mode
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import warnings
@@ -209,7 +210,8 @@ class OffloadOptimizerMixin:
         """Turn ``overlap_step`` off, with a warning, where a callback averages the weights right
         after the steps (Lightning's ``WeightAveraging``, ``EMAWeightAveraging``,
         ``StochasticWeightAveraging``): callbacks run before this module's hooks, so it would
-        read weights still being updated, and waiting for them first leaves nothing to overlap."""
+        read weights still being updated, and waiting for them first leaves nothing to overlap.
+        Otherwise watch ``training_step`` until the first step (:func:`_watch_training_step`)."""
         trainer = getattr(self, "_trainer", None)
         averaging = _weight_averaging_callbacks(trainer.callbacks if trainer is not None else [])
         for optimizer in trainer.optimizers if averaging else []:
@@ -222,20 +224,9 @@ class OffloadOptimizerMixin:
                     "could overlap the step.",
                     stacklevel=2,
                 )
+        if any(o.watching for o in self._offload_overlaps()) and "training_step" not in vars(self):
+            _watch_training_step(self)
         super().on_fit_start()  # type: ignore[misc]
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
-        """With ``overlap_step``, until the first step: watch ``training_step`` for weights it
-        reads before their module's forward (see :class:`~lightning_offload_optim.overlap.
-        ForwardOverlap`), which are then waited for at each step."""
-        for overlap in self._offload_overlaps():
-            overlap.begin_watch()
-        return super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        for overlap in self._offload_overlaps():
-            overlap.end_watch()
-        super().on_train_batch_end(outputs, batch, batch_idx)  # type: ignore[misc]
 
     def _offload_overlaps(self) -> list[Any]:
         trainer = getattr(self, "_trainer", None)
@@ -270,6 +261,29 @@ class OffloadOptimizerMixin:
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_metadata(checkpoint)
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+
+
+def _watch_training_step(module: OffloadOptimizerMixin) -> None:
+    """Until the first step, run ``training_step`` under each overlap's watch for weights read
+    before their module's forward (a penalty on a head's weight, a functional embedding lookup;
+    see :class:`~lightning_offload_optim.overlap.ForwardOverlap`), which are then waited for at
+    each step. The wrapper is an instance attribute, removed once no overlap watches."""
+    step = module.training_step
+
+    @functools.wraps(step)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        overlaps = [o for o in module._offload_overlaps() if o.watching]
+        for overlap in overlaps:
+            overlap.begin_watch()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            for overlap in overlaps:
+                overlap.end_watch()
+            if not any(o.watching for o in module._offload_overlaps()):
+                vars(module).pop("training_step", None)
+
+    module.training_step = watched  # type: ignore[method-assign]
 
 
 def _weight_averaging_callbacks(callbacks: list[Any]) -> list[Any]:
