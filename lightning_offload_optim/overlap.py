@@ -240,19 +240,21 @@ class _ReadWatch(TorchFunctionMode):
         return result
 
     def begin(self) -> None:
-        depth = getattr(self._depth, "value", 0)
-        if depth == 0 and self.stopped:
+        if self.stopped:  # the ends of passes begun before still take it off the stack
             return
+        depth = getattr(self._depth, "value", 0)
         if depth == 0:
             torch._C._push_on_torch_function_stack(self)
         self._depth.value = depth + 1
 
     def end(self) -> None:
+        """After the stop, the first end takes it off the stack: also where a pass interrupted
+        without its end (a ``KeyboardInterrupt`` skips ``always_call`` hooks) left it there."""
         depth = getattr(self._depth, "value", 0)
-        if depth:
+        if depth == 1 or (depth and self.stopped):
+            self.leave()
+        elif depth:
             self._depth.value = depth - 1
-            if depth == 1:
-                _remove_mode(self)
 
     def leave(self) -> None:
         """Off this thread's stack now, whatever the nesting."""

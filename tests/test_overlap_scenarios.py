@@ -726,6 +726,35 @@ def test_the_watch_is_off_the_stack_when_training_step_raises(tmp_path):
     assert torch._C._len_torch_function_stack() == 0
 
 
+def test_a_forward_interrupted_without_its_end_leaves_nothing_after_the_next():
+    """A ``KeyboardInterrupt`` skips the ``always_call`` forward hook that takes the watch off
+    the stack; the end of the first forward after the first step does it."""
+
+    class Interrupted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+            self.interrupt = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.interrupt:
+                raise KeyboardInterrupt
+            return self.layer(x).sum()
+
+    model = Interrupted()
+    ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)
+    ours.overlap_with(model)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.ones(2, 8))
+    assert torch._C._len_torch_function_stack() == 1
+    model.interrupt = False
+    model(torch.ones(2, 8)).backward()
+    ours.step()
+    model(torch.ones(2, 8))
+    assert torch._C._len_torch_function_stack() == 0
+    ours.wait_for_updates()
+
+
 def test_removing_a_mode_keeps_the_others_in_order():
     from lightning_offload_optim.overlap import _remove_mode
 
