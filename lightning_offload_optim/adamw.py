@@ -280,6 +280,11 @@ class OffloadAdamW(torch.optim.AdamW):
             optimizer = OffloadAdamW(model.parameters())
             optimizer.overlap_with(model)
         """
+        if not self.enabled:
+            raise RuntimeError(
+                "overlap_with needs enabled=True: a disabled OffloadAdamW steps as "
+                "torch.optim.AdamW does, with nothing to overlap"
+            )
         if self._overlap is not None:
             self._overlap.remove()
         self._overlap = ForwardOverlap(module, self._pipeline, weakref.WeakMethod(self._prefetch))

@@ -338,3 +338,15 @@ def test_a_parameter_frozen_between_backward_and_step(stream_order):
     stream_order.expect_none()
     optimizer.wait_for_updates()
     assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_overlap_with_a_disabled_optimizer_is_refused():
+    """A disabled OffloadAdamW steps as torch's AdamW: there is nothing to overlap, and hooks
+    installed anyway would watch every forward pass for good (no overlapped step ends it)."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = OffloadAdamW(model.parameters(), enabled=False)
+    with pytest.raises(RuntimeError, match="overlap_with needs enabled=True"):
+        optimizer.overlap_with(model)
+    assert not model._forward_pre_hooks and torch._C._len_torch_function_stack() == 0
+    model(torch.ones(1, 4))
+    assert torch._C._len_torch_function_stack() == 0
