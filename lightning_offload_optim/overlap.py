@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
     from lightning_offload_optim.pipeline import StagingPipeline
@@ -74,7 +75,8 @@ class ForwardOverlap:
         self.order: dict[Tensor, int] = {}
         self._count = sum(1 for _ in module.parameters())  # order is complete at this size
         self._reached: set[int] = set()  # ids of parameters whose hook ran since the last step
-        self._gradient_hooked: set[int] = set()  # ids of parameters with a gradient hook
+        # Parameters with a gradient hook, held weakly: a new parameter may reuse a dead one's id.
+        self._gradient_hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.early: set[int] = set()  # ids of parameters no hook reached: updated first
         #: ids of the module's parameters an op read before their hook ran (see _ReadWatch).
         self.read_before_hook: set[int] = set()
@@ -156,8 +158,8 @@ class ForwardOverlap:
         """Hook :meth:`_before_gradient` on those of ``params`` that can get a gradient and
         have no hook yet (a parameter frozen now is hooked once it is stepped again)."""
         for param in params:
-            if param.requires_grad and id(param) not in self._gradient_hooked:
-                self._gradient_hooked.add(id(param))
+            if param.requires_grad and param not in self._gradient_hooked:
+                self._gradient_hooked[param] = True
                 hook = functools.partial(self._before_gradient)
                 hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
                 self._handles.append(param.register_hook(hook))

@@ -350,3 +350,27 @@ def test_overlap_with_a_disabled_optimizer_is_refused():
     assert not model._forward_pre_hooks and torch._C._len_torch_function_stack() == 0
     model(torch.ones(1, 4))
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_the_gradient_hooks_registry_forgets_dead_parameters():
+    """Replacing a layer frees its parameters, and CPython often gives a new parameter a dead
+    one's id: a registry of ids would take the new one for hooked and never give it the
+    gradient hook that orders the backward pass after the queued updates (DDP's bucket views
+    need it). The registry holds parameters weakly, so a replacement stepped through a new
+    param group gets its own hook."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    optimizer = OffloadAdamW(model[0].parameters(), force_staging=True, chunk_size=64)
+    overlap = optimizer.overlap_with(model)
+    dead = [weakref.ref(p) for p in model[1].parameters()]  # hooked up front: in the module
+    model[1] = nn.Linear(4, 1)
+    gc.collect()
+    assert all(ref() is None for ref in dead)
+    assert len(overlap._gradient_hooked) == 2  # model[0]'s
+    optimizer.add_param_group({"params": list(model[1].parameters())})
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    assert all(len(p._backward_hooks or {}) == 1 for p in model[1].parameters())
+    optimizer.wait_for_updates()
