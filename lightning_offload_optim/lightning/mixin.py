@@ -214,21 +214,20 @@ class OffloadOptimizerMixin:
         Otherwise watch ``training_step`` until the first step (:func:`_watch_training_step`)."""
         trainer = getattr(self, "_trainer", None)
         averaging = _weight_averaging_callbacks(trainer.callbacks if trainer is not None else [])
-        for optimizer in trainer.optimizers if averaging else []:
-            overlap = optimizer._overlapping() if isinstance(optimizer, OffloadAdamW) else None
-            if overlap is not None:
-                overlap.remove()
-                warnings.warn(
-                    f"overlap_step is turned off: {type(averaging[0]).__name__} reads the "
-                    "weights right after each optimizer step, before the next forward pass "
-                    "could overlap the step.",
-                    stacklevel=2,
-                )
+        for overlap in self._offload_overlaps() if averaging else []:
+            overlap.remove()
+            warnings.warn(
+                f"overlap_step is turned off: {type(averaging[0]).__name__} reads the "
+                "weights right after each optimizer step, before the next forward pass "
+                "could overlap the step.",
+                stacklevel=2,
+            )
         if any(o.watching for o in self._offload_overlaps()) and "training_step" not in vars(self):
             _watch_training_step(self)
         super().on_fit_start()  # type: ignore[misc]
 
     def _offload_overlaps(self) -> list[Any]:
+        """The forward overlaps of this trainer's OffloadAdamW optimizers that have one."""
         trainer = getattr(self, "_trainer", None)
         optimizers = trainer.optimizers if trainer is not None else []
         overlaps = [o._overlapping() for o in optimizers if isinstance(o, OffloadAdamW)]
@@ -248,10 +247,8 @@ class OffloadOptimizerMixin:
         super().on_train_end()  # type: ignore[misc]
 
     def _wait_for_offload_updates(self) -> None:
-        trainer = getattr(self, "_trainer", None)
-        for optimizer in trainer.optimizers if trainer is not None else []:
-            if isinstance(optimizer, OffloadAdamW):
-                optimizer.wait_for_updates()
+        for overlap in self._offload_overlaps():
+            overlap.wait_all()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
