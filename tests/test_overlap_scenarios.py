@@ -102,6 +102,18 @@ def fit_pair(tmp_path: Path, cls: type[Base], resident=None, model_kwargs=None, 
     return models
 
 
+def overlapped_pair(
+    model: nn.Module, twin: nn.Module, lr: float, resident=None, chunk_size: int = 64
+) -> tuple[OffloadAdamW, torch.optim.AdamW]:
+    """OffloadAdamW over ``model`` (staged, overlapping its forward passes) and torch fused
+    AdamW over ``twin``, alike."""
+    ours = OffloadAdamW(
+        model.parameters(), lr=lr, force_staging=True, chunk_size=chunk_size, resident=resident
+    )
+    ours.overlap_with(model)
+    return ours, torch.optim.AdamW(twin.parameters(), lr=lr, fused=True)
+
+
 def assert_losses_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b) > 0
     assert_same(a, b)
@@ -410,11 +422,7 @@ class CheckpointedNet(nn.Module):
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_activation_checkpointing_plain(stream_order, resident, set_to_none):
     model, twin = CheckpointedNet(), CheckpointedNet()
-    optimizer = OffloadAdamW(
-        model.parameters(), lr=0.02, force_staging=True, chunk_size=64, resident=resident
-    )
-    optimizer.overlap_with(model)
-    torch_opt = torch.optim.AdamW(twin.parameters(), lr=0.02, fused=True)
+    optimizer, torch_opt = overlapped_pair(model, twin, lr=0.02, resident=resident)
     generator = torch.Generator().manual_seed(7)
     losses: dict[int, list[torch.Tensor]] = {0: [], 1: []}
     for _ in range(5):
@@ -631,11 +639,7 @@ class TiedReadFirst(nn.Module):
 def test_tied_weights_read_before_their_modules_run(stream_order, resident):
     """Plain PyTorch: the root's forward is watched until the first step."""
     model, twin = TiedReadFirst(), TiedReadFirst()
-    ours = OffloadAdamW(
-        model.parameters(), lr=0.01, force_staging=True, chunk_size=64, resident=resident
-    )
-    ours.overlap_with(model)
-    theirs = torch.optim.AdamW(twin.parameters(), lr=0.01, fused=True)
+    ours, theirs = overlapped_pair(model, twin, lr=0.01, resident=resident)
     generator = torch.Generator().manual_seed(5)
     for _ in range(5):
         tokens = torch.randint(0, 10, (6,), generator=generator)
@@ -788,11 +792,7 @@ def test_a_wider_layer_first_used_later_grows_the_staging_buffers(stream_order, 
     buffers; step 3 needs larger ones (``wide`` joins) and allocates them: the queued copies
     went into the old buffers and must not be taken for the new ones' contents."""
     model, twin = LateWideNet(), LateWideNet()
-    ours = OffloadAdamW(
-        model.parameters(), lr=0.01, force_staging=True, chunk_size=256, resident=resident
-    )
-    ours.overlap_with(model)
-    theirs = torch.optim.AdamW(twin.parameters(), lr=0.01, fused=True)
+    ours, theirs = overlapped_pair(model, twin, lr=0.01, resident=resident, chunk_size=256)
     generator = torch.Generator().manual_seed(0)
     for step in range(5):
         x = torch.randn(5, 8, generator=generator)
