@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +112,12 @@ class _Resident:
     buffers: dict[str, Tensor]
     valid: bool = False  # they hold what the host buffers hold (or newer)
     dirty: bool = False  # they hold newer values than the host buffers
+
+    def pairs(self, arena: Arena) -> Iterator[tuple[Tensor, Tensor]]:
+        """Per state key and resident range of ``arena``, its host view and device view."""
+        for key, buffer in self.buffers.items():
+            for on_host, on_device in arena.resident.pieces():
+                yield arena.buffers[key][on_host], buffer[on_device]
 
 
 class StagingPipeline:
@@ -396,12 +402,10 @@ class StagingPipeline:
         resident = self._resident[chunk.arena]
         ranges = chunk.arena.resident
         if not resident.valid:
-            host = chunk.arena.buffers
             with streams.on(streams.copy_in):
                 with record.span(COPY_IN, streams, streams.copy_in):
-                    for key, buffer in resident.buffers.items():
-                        for on_host, on_device in ranges.pieces():
-                            buffer[on_device].copy_(host[key][on_host], non_blocking=True)
+                    for host, device in resident.pairs(chunk.arena):
+                        device.copy_(host, non_blocking=True)
                 uploaded = streams.record(streams.copy_in)
                 streams.wait(compute, uploaded)
                 chunk.arena.read_by(uploaded)
@@ -427,9 +431,8 @@ class StagingPipeline:
                 streams.wait(streams.copy_out, streams.record(streams.update))
                 streams.wait(streams.copy_out, streams.record(caller))
                 with record.span(COPY_OUT, streams, streams.copy_out):
-                    for key, buffer in resident.buffers.items():
-                        for on_host, on_device in arena.resident.pieces():
-                            arena.buffers[key][on_host].copy_(buffer[on_device], non_blocking=True)
+                    for host, device in resident.pairs(arena):
+                        host.copy_(device, non_blocking=True)
                 self._host_ready[arena.device] = streams.record(streams.copy_out)
                 arena.written_by(self._host_ready[arena.device])
             record.bytes_out += arena.state_bytes(arena.resident.numel)
