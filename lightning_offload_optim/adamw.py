@@ -544,9 +544,9 @@ class OffloadAdamW(torch.optim.AdamW):
             return state_dict
         state_dict[FORMAT_KEY] = FORMAT_VERSION  # torch's AdamW ignores extra top-level keys
         self._pipeline.wait_host()
-        # The caller may write through the views (a checkpoint loaded in place): the next step
-        # reloads resident state from them.
-        self._pipeline.host_written()
+        # The caller may write through the views until the next step (a checkpoint loaded in
+        # place), also after the next forward pass.
+        self._pipeline.lend_host_views()
         saved_params = (i for group in state_dict["param_groups"] for i in group["params"])
         params = (p for group in self.param_groups for p in group["params"])
         for index, param in zip(saved_params, params, strict=True):

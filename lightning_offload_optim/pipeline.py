@@ -141,6 +141,8 @@ class StagingPipeline:
         # Copy-ins queued ahead of a step, by chunk position: (arena id, start, stop, staging
         # buffer), and the event after the copy.
         self._prefetched: dict[int, tuple[tuple[int, int, int, int], torch.Event | None]] = {}
+        # The host buffers are lent out as views until the next step: no copies queue ahead.
+        self._views_lent = False
         #: Copies queued between steps (prefetches, write-backs of resident state): the next
         #: step's record counts them.
         self._between_steps = StepRecord()
@@ -221,13 +223,21 @@ class StagingPipeline:
             resident.valid = False
         self._prefetched = {}
 
+    def lend_host_views(self) -> None:
+        """The host buffers were handed out as views (``state_dict()``) that the caller may write
+        through until the next step, after a forward pass too: reload resident state from
+        them, and queue no copies ahead of that step (they could read the host before the
+        caller's writes)."""
+        self.host_written()
+        self._views_lent = True
+
     def prefetch(self, chunks: Sequence[Chunk]) -> None:
         """Queue now the copy-in of the first chunks of the next step (as many as there are
         staging buffers, with buffers already allocated), e.g. while the backward pass runs, so
         the link is busy before the step begins. The state does not depend on the gradients;
         :meth:`run` uses these copies for the same chunks in the same places."""
-        if self._prefetched:
-            return  # queued already (another forward pass before the same step)
+        if self._prefetched or self._views_lent:
+            return  # queued already (another forward pass before the same step), or lent
         record = self._between_steps  # with copies queued before it and dropped by a load
         for index, (chunk, turn) in enumerate(zip(chunks, self._turns(chunks), strict=True)):
             if chunk.resident or not self.stages(chunk.arena.device) or turn >= self.num_buffers:
@@ -284,6 +294,7 @@ class StagingPipeline:
         """
         record, self._between_steps = self._between_steps, StepRecord()
         prefetched, self._prefetched = self._prefetched, {}
+        self._views_lent = False  # the views' writes before this step are read now
         started = time.perf_counter()
         staged = {chunk.arena.device for chunk in chunks if self.stages(chunk.arena.device)}
         begins, computes = {}, {}

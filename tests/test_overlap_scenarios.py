@@ -805,6 +805,32 @@ def test_a_wider_layer_first_used_later_grows_the_staging_buffers(stream_order, 
     assert_same(list(model.parameters()), list(twin.parameters()))
 
 
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_state_dict_views_written_after_the_next_forward_pass(stream_order, resident):
+    """``state_dict()`` views taken before a forward pass and written after it (a callback
+    resetting moments in ``on_before_optimizer_step``): the next step uses the writes, as
+    torch's does, though the forward pass would queue that step's first copies before them."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    twin = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    twin.load_state_dict(model.state_dict())
+    ours, theirs = overlapped_pair(model, twin, lr=0.01, resident=resident)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(4):
+        x = torch.randn(4, 8, generator=generator)
+        for net, optimizer in ((model, ours), (twin, theirs)):
+            views = optimizer.state_dict()["state"] if step == 2 else {}
+            loss = net(x).pow(2).mean()
+            for entry in views.values():
+                entry["exp_avg"].mul_(0.5)
+                entry["exp_avg_sq"].mul_(2.0)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    model(x)  # waits for the last updates
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
 # --------------------------------------------------------------- 6. manual optimization
 class Manual(Base):
     """Manual optimization: two ``step()`` calls per batch on disjoint sets of parameters
