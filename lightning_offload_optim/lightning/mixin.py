@@ -309,7 +309,7 @@ def split_groups_added_later(optimizer: torch.optim.Optimizer, model: torch.nn.M
         model, optimizer = model_ref(), optimizer_ref()
         assert optimizer is not None  # called through it
         params = param_group.get("params")
-        if model is None or isinstance(params, torch.Tensor) or params is None:
+        if model is None or isinstance(params, (torch.Tensor, set)) or params is None:
             return add(optimizer, param_group)
         params = list(params)
         existing = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -324,12 +324,18 @@ def split_groups_added_later(optimizer: torch.optim.Optimizer, model: torch.nn.M
         add(optimizer, {**param_group, "params": kept, "weight_decay": 0.0, LINKED_GROUP_KEY: link})
 
     optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
-    seen: list[float] = []  # each group's lr at the previous step
+
+    def remember_lrs(optimizer: torch.optim.Optimizer) -> None:
+        seen[:] = [float(g["lr"]) for g in optimizer.param_groups]
+
+    seen: list[float] = []  # each group's lr at the previous step, or as created or loaded
+    remember_lrs(optimizer)
 
     def link_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # Without a schedule, only a hand-set lr changes between steps. With WarmupCosineLR,
         # whose new lrs differ from these too, its own hook (run next) links what this leaves.
         link_hand_set_lrs(optimizer.param_groups, seen)
-        seen[:] = [float(g["lr"]) for g in optimizer.param_groups]
+        remember_lrs(optimizer)
 
     optimizer.register_step_pre_hook(link_before_step)
+    optimizer.register_load_state_dict_post_hook(remember_lrs)  # a resume sets lrs anew
