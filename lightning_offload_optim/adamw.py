@@ -698,7 +698,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 continue
             own = slot.layout.flat(master).data_ptr() == slot.view(MASTER_KEY).data_ptr()
             part = local(m.param)
-            if own and not torch.equal(master.to(part.dtype), part):
+            if own and not torch.equal(master.to(part.dtype), part.detach().cpu()):
                 m.local = {k: v for k, v in m.local.items() if k != MASTER_KEY}
                 stale += 1
         if stale:

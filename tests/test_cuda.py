@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -30,18 +31,26 @@ def test_bit_identical_to_torch_fused_on_cuda(amsgrad):
         assert_same([offload.offloaded_state(p)["exp_avg_sq"]], [torch_opt.state[r]["exp_avg_sq"]])
 
 
-def test_bf16_parameters_match_fp32_master_reference_on_cuda():
+@pytest.mark.parametrize("reload", [False, True], ids=["steps", "own-state-reloaded"])
+def test_bf16_parameters_match_fp32_master_reference_on_cuda(reload):
+    """``reload``: the optimizer's own ``state_dict()`` loaded back in place after a step (as a
+    distributed checkpoint's resume does): its master copies, on the host, are compared with
+    the parameters on the GPU, and kept."""
     params = make_params(SHAPES, dtype=torch.bfloat16, device=CUDA)
     masters = [torch.nn.Parameter(p.detach().float()) for p in params]
     offload = OffloadAdamW(params, lr=0.01, chunk_size=CHUNK)
     fp32 = torch.optim.AdamW(masters, lr=0.01, fused=True)
     generator = torch.Generator().manual_seed(1)
-    for _ in range(3):
+    for step in range(3):
         set_grads([params], generator)
         for p, m in zip(params, masters, strict=True):
             m.grad = p.grad.float()
         offload.step()
         fp32.step()
+        if reload and step == 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no master copy taken for stale
+                offload.load_state_dict(offload.state_dict())
     assert_same(params, [m.detach().to(torch.bfloat16) for m in masters])
 
 
