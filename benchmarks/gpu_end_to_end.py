@@ -43,6 +43,7 @@ FIELDS = [
     "tokens_per_s",
     "peak_gib",
     "resident_gib",
+    "pinned",
     "x_fused_adamw",
 ]
 
@@ -186,13 +187,18 @@ def run(config: Config, steps: int, warmup: int, device: torch.device) -> dict |
         "step_s": seconds,
         "tokens_per_s": config.tokens / seconds,
         "peak_gib": peak / 2**30,
-        "resident_gib": resident_bytes(optimizer) / 2**30,
+        **offload_stats(optimizer),
     }
 
 
-def resident_bytes(optimizer: torch.optim.Optimizer) -> int:
+def offload_stats(optimizer: torch.optim.Optimizer) -> dict:
+    """OffloadAdamW's resident state, and whether its host state is pinned (pageable state
+    would time the slow path)."""
     stats = getattr(optimizer, "memory_stats", None)
-    return stats()["resident_bytes"] if stats is not None else 0
+    if stats is None:
+        return {"resident_gib": 0.0, "pinned": ""}
+    values = stats()
+    return {"resident_gib": values["resident_bytes"] / 2**30, "pinned": values["pinned"]}
 
 
 def main() -> None:

@@ -140,11 +140,15 @@ def main() -> None:
             )
         for name, make in candidates.items():
             try:
-                ms, peak, moved_bytes = time_steps(make(params), args.steps)
+                opt = make(params)
+                ms, peak, moved_bytes = time_steps(opt, args.steps)
+                stats = getattr(opt, "memory_stats", None)  # pageable state times the slow path
+                pinned = stats()["pinned"] if stats is not None else ""
             except Exception:  # report, and measure the others
                 traceback.print_exc()
                 continue
             finally:  # this optimizer's host state (GBs) goes before the next is made
+                opt = None
                 gc.collect()
                 torch.cuda.empty_cache()
             row = {
@@ -153,6 +157,7 @@ def main() -> None:
                 "params": numel,
                 "ms": ms,
                 "peak_gib": peak / 2**30,
+                "pinned": pinned,
                 "bound_half_duplex_ms": half_duplex,
                 "bound_full_duplex_ms": full_duplex,
                 "ratio_to_half_duplex_bound": ms / half_duplex,

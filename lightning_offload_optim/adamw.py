@@ -225,7 +225,8 @@ class OffloadAdamW(torch.optim.AdamW):
         self._pipeline.prepare(chunks)
         self._fill_new_state(active, new_slots)
         host_steps = [a.step for a in active]
-        device_steps = self._steps_on_devices(active, host_steps)
+        pin = self.pin_memory and not self._host.pin_failed
+        device_steps = self._steps_on_devices(active, host_steps, pin)
 
         overlap = self._overlapping()
         if overlap is not None:  # the update reads these after step() returns
@@ -465,15 +466,17 @@ class OffloadAdamW(torch.optim.AdamW):
                         a.slot.view(key).zero_()
 
     @staticmethod
-    def _steps_on_devices(active: list[_Active], steps: list[Tensor]) -> list[Tensor]:
+    def _steps_on_devices(active: list[_Active], steps: list[Tensor], pin: bool) -> list[Tensor]:
         """Each step count after this step's increment, on its parameter's device, where the
         fused kernels read it. Host counts are advanced in place only once the update runs, so
-        CPU parameters read ``steps`` themselves; accelerators get copies of ``steps + 1``."""
+        CPU parameters read ``steps`` themselves; accelerators get copies of ``steps + 1``
+        (pinned with the state, so the copy does not wait for the device; where pinning was
+        refused, pageable)."""
         devices = {a.param.device for a in active}
         if devices == {torch.device("cpu")}:
             return steps
         stacked = torch.stack(steps).add_(1.0)
-        if torch.cuda.is_available():  # pinned, so the copy does not wait for the device
+        if pin:
             stacked = stacked.pin_memory()
         copies = {d: stacked.to(d, non_blocking=True) for d in devices}
         return [copies[a.param.device][i] for i, a in enumerate(active)]
