@@ -84,12 +84,16 @@ class ForwardOverlap:
         self._watch = _ReadWatch(self)  # notes reads until the first step
         self.early_version = 0  # changes whenever ``early`` does (chunk plans depend on it)
         self._handles = []
+        #: Per FSDP2 unit (by id), the parameters its all-gather reads.
+        self._unit_params: dict[int, list[Tensor]] = {}
         for child in module.modules():
             params = list(child.parameters(recurse=False))
+            unit = None
             if _is_fsdp2_unit(child):
-                params = _unit_parameters(child)
+                unit = child
+                params = self._unit_params[id(child)] = _unit_parameters(child)
             if params:
-                hook = functools.partial(self._before_forward, params)
+                hook = functools.partial(self._before_forward, params, unit)
                 self._handles.append(
                     child.register_forward_pre_hook(lambda _m, _a, hook=hook: hook(), prepend=True)
                 )
@@ -106,7 +110,7 @@ class ForwardOverlap:
         if prefetch is not None:
             prefetch()
 
-    def _before_forward(self, params: list[Tensor]) -> None:
+    def _before_forward(self, params: list[Tensor], unit: nn.Module | None) -> None:
         if len(self.order) < self._count:  # until every parameter has been seen
             for param in params:
                 self.order.setdefault(param, len(self.order))
@@ -115,14 +119,33 @@ class ForwardOverlap:
         if not self.pending:
             return
         self._wait(p for p in params if p in self.pending)
+        if unit is not None:
+            self._order_all_gathers(unit, params)
 
-    def _wait(self, params: Iterable[Tensor]) -> None:
+    def _wait(self, params: Iterable[Tensor], stream: Any = None) -> None:
+        """Make ``stream`` (the caller's current one by default) wait for the last updates of
+        ``params``."""
         seen = set()
         for param in params:
             event, device = self.pending.get(param, (None, None))
             if event is not None and id(event) not in seen:
                 seen.add(id(event))
-                self._pipeline.caller_waits(event, device)
+                self._pipeline.caller_waits(event, device, stream)
+
+    def _order_all_gathers(self, unit: nn.Module, params: list[Tensor]) -> None:
+        """FSDP2 copies a unit's shards into its all-gather on streams of its own, which wait
+        for the caller's stream only in the root's pre-forward: make them wait for this unit's
+        updates, and for those of the units it prefetches (``set_modules_to_forward_prefetch``),
+        before the unit's pre-forward queues those copies. Where FSDP2's streams cannot be
+        found (they are private), the caller's stream waits for every update instead, which
+        orders the root's all-gathers after all of them."""
+        streams, prefetched = _all_gather_streams(unit)
+        if streams is None:
+            self.wait_all()
+            return
+        reads = [*params, *(p for u in prefetched for p in self._unit_params.get(id(u), ()))]
+        for stream in streams:
+            self._wait((p for p in reads if p in self.pending), stream)
 
     def first_use(self, param: Tensor) -> int:
         """Where ``param`` was first used in the forward passes seen; after all of them if
@@ -298,6 +321,20 @@ def _is_fsdp2_unit(module: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(module, FSDPModule)
+
+
+def _all_gather_streams(unit: nn.Module) -> tuple[list[Any] | None, list[nn.Module]]:
+    """The streams on which FSDP2 copies ``unit``'s shards into its all-gathers ([] before its
+    first forward pass), and the modules of the units it prefetches in its pre-forward; None for
+    the streams where this torch keeps them elsewhere."""
+    try:
+        state = unit._get_fsdp_state()  # type: ignore[operator]
+        context = state._comm_ctx
+        prefetched = [m for s in state._states_to_forward_prefetch for m in s._modules]
+    except AttributeError:
+        return None, []
+    names = ("all_gather_copy_in_stream", "all_gather_stream")
+    return [getattr(context, n) for n in names if hasattr(context, n)], prefetched
 
 
 def _unit_parameters(unit: nn.Module) -> list[Tensor]:

@@ -461,10 +461,13 @@ class StagingPipeline:
             if chunk.arena.device in devices:
                 chunk.arena.written_by(self._host_ready[chunk.arena.device])
 
-    def caller_waits(self, event: torch.Event | None, device: torch.device) -> None:
-        """Make the caller's current stream on ``device`` wait (on the device) for ``event``."""
+    def caller_waits(
+        self, event: torch.Event | None, device: torch.device, stream: torch.Stream | None = None
+    ) -> None:
+        """Make ``stream`` (by default the caller's current stream on ``device``) wait, on the
+        device, for ``event``."""
         streams = self._streams[device]
-        streams.wait(streams.compute(), event)
+        streams.wait(stream if stream is not None else streams.compute(), event)
 
     def used_by_update(self, tensor: Tensor) -> None:
         """``tensor`` is read by an update that may run after the caller frees it."""

@@ -159,6 +159,57 @@ def fsdp_bf16_params(mesh) -> dict:
     )
 
 
+def fsdp_overlapped(forward_prefetch: bool, without: str | None = None) -> Callable:
+    """``overlap_with`` the sharded model (half resident, staged in small chunks) under the
+    stream-ordering checker, which also simulates FSDP2's all-gather streams: each unit's
+    all-gather copies its shards on a stream of its own, which must wait for their updates.
+    ``forward_prefetch``: each unit prefetches the next one's all-gather in its pre-forward,
+    before that unit's own hook runs. ``without`` removes one of the waits: "all_gathers" all
+    of them, "prefetched" those for the prefetched units (the checker must then see races);
+    "streams" hides FSDP2's streams from the overlap, which must then wait for everything."""
+
+    def run(mesh) -> dict:
+        import stream_checker
+
+        from lightning_offload_optim import overlap
+
+        result = {}
+        for name in ("ours", "reference"):
+            model = sharded_net(mesh)
+            if forward_prefetch:
+                model.inp.set_modules_to_forward_prefetch([model.hidden])
+                model.hidden.set_modules_to_forward_prefetch([model.out])
+            with (
+                stream_checker.StreamChecker() as checker,
+                stream_checker._patch_context() as patch,
+            ):
+                if without == "all_gathers":
+                    patch(overlap.ForwardOverlap, "_order_all_gathers", lambda *_: None)
+                elif without == "prefetched":
+                    real = overlap._all_gather_streams
+                    patch(
+                        overlap, "_all_gather_streams", lambda unit, real=real: (real(unit)[0], [])
+                    )
+                elif without == "streams":
+                    patch(overlap, "_all_gather_streams", lambda unit: (None, []))
+                if name == "ours":
+                    optimizer = OffloadAdamW(
+                        model.parameters(), force_staging=True, chunk_size=64, resident=0.5, **HYPER
+                    )
+                    optimizer.overlap_with(model)
+                else:
+                    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+                for step in range(STEPS + 1):
+                    train_step(model, optimizer, step)
+                if name == "ours":
+                    optimizer.wait_for_updates()
+            result[name] = full(model.parameters())
+            result[f"{name}_violations"] = checker.violations[:5]
+        return result
+
+    return run
+
+
 def fsdp_mixed_precision_policy(mesh) -> dict:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return fsdp_pair(
@@ -564,6 +615,11 @@ def scenarios(phase: str, out: Path) -> dict[str, Callable]:
         "fsdp_staged_small_chunks": fsdp_staged_small_chunks,
         "fsdp_bf16_params": fsdp_bf16_params,
         "fsdp_mixed_precision_policy": fsdp_mixed_precision_policy,
+        "fsdp_overlapped": fsdp_overlapped(forward_prefetch=False),
+        "fsdp_overlapped_forward_prefetch": fsdp_overlapped(forward_prefetch=True),
+        "fsdp_overlapped_without_all_gather_waits": fsdp_overlapped(False, "all_gathers"),
+        "fsdp_overlapped_without_prefetch_waits": fsdp_overlapped(True, "prefetched"),
+        "fsdp_overlapped_streams_unknown": fsdp_overlapped(True, "streams"),
         "tensor_parallel_placements": tensor_parallel_placements,
         "refusals": refusals,
         "zero_redundancy": zero_redundancy,

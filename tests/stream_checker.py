@@ -62,6 +62,14 @@ class SimStream:
         if event.clock is not None:
             self.clock = _join(self.clock, event.clock)
 
+    def wait_stream(self, other: SimStream) -> None:
+        self.clock = _join(self.clock, other.clock)
+
+    def record_event(self, event: SimEvent | None = None) -> SimEvent:
+        event = event or SimEvent(self.checker)
+        event.record(self)
+        return event
+
     def __repr__(self) -> str:
         return self.name
 
@@ -98,7 +106,7 @@ class SimDeviceModule:
         self.checker = checker
         self.names = itertools.count(1)
 
-    def Stream(self, device: Any = None) -> SimStream:  # torch's spelling
+    def Stream(self, device: Any = None, priority: int = 0) -> SimStream:  # torch's spelling
         return SimStream(self.checker, f"side stream {next(self.names)}")
 
     def Event(self, enable_timing: bool = False) -> SimEvent:
@@ -190,6 +198,10 @@ class StreamChecker:
         patch = self._stack.enter_context(_patch_context())
         patch(streams, "device_module", device_module)
         patch(host_state, "host_empty", host_empty)
+        # torch's own stream users on the CPU (FSDP2's all-gather and reduce-scatter streams,
+        # through its device handle, the torch.cpu module) get simulated streams as well.
+        for name in ("Stream", "Event", "current_stream", "stream"):
+            patch(torch.cpu, name, getattr(module, name))
         self._stack.enter_context(_Recorder(self))
         return self
 

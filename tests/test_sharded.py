@@ -20,6 +20,9 @@ TWO_RANK_SCENARIOS = [
     "fsdp_staged_small_chunks",
     "fsdp_bf16_params",
     "fsdp_mixed_precision_policy",
+    "fsdp_overlapped",
+    "fsdp_overlapped_forward_prefetch",
+    "fsdp_overlapped_streams_unknown",
     "tensor_parallel_placements",
     "refusals",
     "zero_redundancy",
@@ -71,6 +74,35 @@ def test_two_ranks_bit_identical_to_torch_adamw(runs, scenario):
 def test_one_rank_bit_identical_to_torch_adamw(runs, phase, scenario):
     (result,) = results(runs, phase, scenario)
     assert_same(result["ours"], result["reference"])
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    ["fsdp_overlapped", "fsdp_overlapped_forward_prefetch", "fsdp_overlapped_streams_unknown"],
+)
+def test_overlapped_steps_order_fsdp2_all_gathers_after_the_updates(runs, scenario):
+    """On 2 ranks FSDP2 all-gathers each unit's shards on streams of its own; under the
+    checker's simulation of them every copy is ordered after the update it reads (also where
+    this torch's FSDP2 keeps its streams out of the overlap's reach)."""
+    for result in results(runs, "all", scenario):
+        assert result["ours_violations"] == [] and result["reference_violations"] == []
+
+
+@pytest.mark.parametrize(
+    ("scenario", "race"),
+    [
+        ("fsdp_overlapped_without_all_gather_waits", "all_gather_copy_in"),
+        ("fsdp_overlapped_without_prefetch_waits", "all_gather_copy_in"),
+    ],
+)
+def test_without_the_all_gather_waits_the_checker_sees_races(runs, scenario, race):
+    """Each wait is needed: without the all-gather streams' waits (or those for the units a
+    unit prefetches), the all-gathers read shards their updates still write."""
+    for result in results(runs, "all", scenario):
+        assert result["reference_violations"] == []
+        assert result["ours_violations"] and all(
+            v.startswith(race) for v in result["ours_violations"]
+        )
 
 
 def test_each_rank_holds_the_state_of_its_shards_only(runs):
