@@ -344,6 +344,35 @@ class OffloadAdamW(torch.optim.AdamW):
         if overlap is not None:
             overlap.wait_all()
 
+    def release_device_memory(self) -> None:
+        """Free what this optimizer holds on the devices: its staging buffers, the resident
+        state (written back to the host first) and its cached views of the parameters, which
+        would keep their device memory alive after the module moves (Lightning moves it to the
+        CPU after ``fit``, while the Trainer keeps the optimizer). The next ``step()`` allocates
+        what it needs again; results do not change. The mixin calls this when training ends.
+
+        Example:
+            >>> model = torch.nn.Linear(4, 4)
+            >>> opt = OffloadAdamW(model.parameters(), force_staging=True, resident=0.5)
+            >>> for _ in range(2):  # resident from the second step on
+            ...     model(torch.ones(2, 4)).sum().backward()
+            ...     opt.step()
+            >>> opt.memory_stats()["resident_bytes"] > 0
+            True
+            >>> opt.release_device_memory()
+            >>> opt.memory_stats()["resident_bytes"], opt.memory_stats()["staging_bytes"]
+            (0, 0)
+        """
+        if not self.enabled:
+            return
+        self.wait_for_updates()
+        self._pipeline.release()
+        for slot in self._host.slots.values():
+            slot.forget_param()
+        self._plans.clear()  # chunks end where resident ranges did
+        self._next_chunks = []
+        self._resident_for = ()  # chosen again at the next step
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's. With overlap, dropping the gradients (``set_to_none=True``, the default)
         needs no wait: the caching allocator keeps their memory until the queued updates have

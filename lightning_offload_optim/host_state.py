@@ -309,6 +309,10 @@ class Slot:
             self._flat_param = (pointer, self.layout.flat(param.detach()))
         return self._flat_param[1]
 
+    def forget_param(self) -> None:
+        """Drop the cached view of the parameter (it keeps the parameter's memory alive)."""
+        self._flat_param = None
+
     def relayout(self, param: Tensor) -> None:
         """Reorder the state to ``param``'s new strides (same shape, dtype and device).
 
@@ -320,7 +324,7 @@ class Slot:
             view = self.view(key)
             view.copy_(new.flat(self.layout.unflat(view).clone()))
         self.layout = new
-        self._flat_param = None
+        self.forget_param()
 
 
 class HostState:

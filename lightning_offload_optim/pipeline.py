@@ -461,6 +461,18 @@ class StagingPipeline:
             if chunk.arena.device in devices:
                 chunk.arena.written_by(self._host_ready[chunk.arena.device])
 
+    def release(self) -> None:
+        """Free the staging and resident buffers once the work queued on them is done, the
+        resident state written back to the host first: the next run allocates staging again,
+        and state is kept resident again once it is chosen again."""
+        self.wait_host()
+        for arena in list(self._resident):
+            arena.resident = ResidentRanges()
+        self._resident.clear()
+        self._buffers.clear()
+        self._free.clear()
+        self._prefetched = {}
+
     def caller_waits(
         self, event: torch.Event | None, device: torch.device, stream: torch.Stream | None = None
     ) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_offload_optim import OffloadAdamW, OffloadOptimizerMixin
@@ -24,6 +25,21 @@ def torch_reference(args: dict[str, Any]) -> torch.optim.AdamW:
     optimizer = torch.optim.AdamW(**args, fused=True)
     optimizer._step_supports_amp_scaling = False
     return optimizer
+
+
+class AtTrainEnd(pl.Callback):
+    """The first optimizer's ``memory_stats()`` and overlap as training ends: callbacks' hooks run
+    before the module's, whose ``on_train_end`` (the mixin's) frees the device buffers and
+    removes the overlap."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        offload = isinstance(optimizer, OffloadAdamW)
+        self.stats = optimizer.memory_stats() if offload else {}
+        self.overlap = optimizer._overlapping() if offload else None
+        self.plans = list(optimizer._plans.values()) if offload else []  # the steps' chunks
+        #: The parameters' memory now (Lightning moves the module to the CPU at teardown).
+        self.storages = [StorageWeakRef(p.untyped_storage()) for p in pl_module.parameters()]
 
 
 def reference_lr_factor(warmup: int, total: int | None, min_ratio: float, step: int) -> float:

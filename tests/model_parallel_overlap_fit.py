@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_models import trainer
+from lightning_models import AtTrainEnd, trainer
 from model_parallel_fit import STEPS, ShardedModel, full, strategy
 from stream_checker import StreamChecker
 
@@ -36,16 +36,15 @@ def checked_fit(fit, model, **kwargs: Any) -> list[str]:
     return checker.violations[:10]
 
 
-def optimizer_facts(fit, optimizer: str) -> dict[str, Any]:
+def optimizer_facts(fit, optimizer: str, end: AtTrainEnd) -> dict[str, Any]:
+    """What the optimizer held as training ended (the mixin's ``on_train_end`` frees it)."""
     if optimizer != "offload":
         return {}
-    optim = fit.optimizers[0]
-    stats = optim.memory_stats()
     return {
-        "overlapping": optim._overlapping() is not None,
-        "resident_bytes": stats["resident_bytes"],
-        "state_bytes": stats["state_bytes"],
-        "step": int(optim.state_dict()["state"][0]["step"]),
+        "overlapping": end.overlap is not None,
+        "resident_bytes": end.stats["resident_bytes"],
+        "state_bytes": end.stats["state_bytes"],
+        "step": int(fit.optimizers[0].state_dict()["state"][0]["step"]),
     }
 
 
@@ -68,7 +67,7 @@ def run(out: Path, optimizer: str, resumes: dict[str, float | None]) -> dict[str
         strategy=strategy(True),
         devices=2,
         max_steps=STEPS,
-        callbacks=[saver],
+        callbacks=[saver, end := AtTrainEnd()],
         enable_checkpointing=True,
         use_distributed_sampler=True,
         **COMMON,
@@ -80,7 +79,7 @@ def run(out: Path, optimizer: str, resumes: dict[str, float | None]) -> dict[str
         "initial": initial,
         "params": full(trained),
         "violations": violations,
-        "facts": optimizer_facts(fit, optimizer),
+        "facts": optimizer_facts(fit, optimizer, end),
         "rank": fit.global_rank,
         "resumed": {},
     }
@@ -91,13 +90,14 @@ def run(out: Path, optimizer: str, resumes: dict[str, float | None]) -> dict[str
             strategy=strategy(True),
             devices=2,
             max_steps=STEPS,
+            callbacks=[end := AtTrainEnd()],
             **COMMON,
         )
         found = checked_fit(again, resumed, ckpt_path=out / f"ckpt-{optimizer}" / "step=2.ckpt")
         result["resumed"][name] = {
             "params": full(resumed),
             "violations": found,
-            "facts": optimizer_facts(again, optimizer),
+            "facts": optimizer_facts(again, optimizer, end),
         }
     return result
 

@@ -254,14 +254,21 @@ def test_step_and_monitor_do_not_synchronise_on_steps_that_are_not_logged(
 def test_lightning_overlap_and_resident_match_torch_on_gpu(tmp_path, precision):
     """The mixin's overlap_step and offload_resident on a GPU, with clipping: bit-identical to
     torch's fused AdamW under the same Trainer."""
-    from lightning_models import TinyModel, trainer
+    from lightning_models import AtTrainEnd, TinyModel, trainer
 
     offload = TinyModel(overlap_step=True, offload_resident=0.9, force_staging=True)
     reference = TinyModel("torch")
+    end = AtTrainEnd()
     for model in (offload, reference):
-        settings = {"precision": precision, "gradient_clip_val": 0.05}
+        settings = {"precision": precision, "gradient_clip_val": 0.05, "callbacks": [end]}
         trainer(tmp_path, accelerator="gpu", **settings).fit(model)
-    assert offload.trainer.optimizers[0].memory_stats()["resident_bytes"] > 0
+        if model is offload:
+            assert end.stats["resident_bytes"] > 0 and end.overlap is not None
+            # The mixin freed the device buffers and its cached views of the parameters, so
+            # the GPU memory the parameters had before Lightning moved them to the CPU is free.
+            stats = offload.trainer.optimizers[0].memory_stats()
+            assert stats["resident_bytes"] == stats["staging_bytes"] == 0
+            assert all(storage.expired() for storage in end.storages)
     assert_same(list(offload.parameters()), list(reference.parameters()))
 
 

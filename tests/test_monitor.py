@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import assert_same
 from lightning.pytorch.loggers import CSVLogger
-from lightning_models import TinyModel, trainer
+from lightning_models import AtTrainEnd, TinyModel, trainer
 
 from lightning_offload_optim import OffloadAdamW, OffloadMonitor, pipeline, step_stats
 from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, STEP, StepRecord, StepStats
@@ -60,9 +60,9 @@ def test_metrics_reach_the_logger_at_its_cadence(tmp_path):
 
 def test_resident_and_offloaded_bytes_are_logged(tmp_path):
     model = TinyModel(force_staging=True, offload_resident=0.9, overlap_step=True)
-    rows = logged_rows(tmp_path, model, callbacks=[OffloadMonitor(summary=False)])
-    (opt,) = model.trainer.optimizers
-    stats = opt.memory_stats()
+    end = AtTrainEnd()
+    rows = logged_rows(tmp_path, model, callbacks=[OffloadMonitor(summary=False), end])
+    stats = end.stats
     assert 0 < stats["resident_bytes"] < stats["state_bytes"]
     last = rows[-1]
     assert float(last["offload/resident_bytes"]) == stats["resident_bytes"]
@@ -309,11 +309,12 @@ def test_logged_timings_are_per_step_sums_over_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(step_stats, "time", fake_time)
     monkeypatch.setattr(pipeline, "time", fake_time)
     model = TinyModel(force_staging=True)
-    rows = logged_rows(tmp_path, model, callbacks=[OffloadMonitor(summary=False)])
+    end = AtTrainEnd()
+    rows = logged_rows(tmp_path, model, callbacks=[OffloadMonitor(summary=False), end])
     assert [int(r["step"]) for r in rows] == [1, 3, 5]
 
     (opt,) = model.trainer.optimizers
-    (plan,) = opt._plans.values()
+    (plan,) = end.plans
     chunks = len(plan)
     assert chunks == 7  # 385 elements in chunks of 64: the sums below need several
     bytes_per_step = sum(c.numel for c in plan) * 4 * 2  # exp_avg + exp_avg_sq, fp32

@@ -153,10 +153,12 @@ def test_overlap_prefetch_dropped_by_a_state_read_is_counted_once(tmp_path, monk
     assert moved(rows) == [2 * STATE] + [2 * STATE + PREFETCH] * 5
 
 
-def test_overlap_prefetch_dropped_then_queued_again_is_not_lost(tmp_path, monkeypatch):
-    """With accumulation the second micro-batch's forward queues the copies again after the
-    first ones were dropped: both sets of copies crossed the link (and without a second
-    forward, the test above, the dropped ones do count), so both count here too."""
+def test_overlap_prefetch_dropped_by_state_dict_is_not_queued_again_before_the_step(
+    tmp_path, monkeypatch
+):
+    """With accumulation, after ``state_dict()`` dropped the first micro-batch's copies, the
+    second micro-batch's forward queues none: the views it handed out may be written until the
+    step. The dropped copies crossed the link and count."""
     counter = CountPrefetches(monkeypatch)
 
     class Data(TinyModel):
@@ -172,8 +174,8 @@ def test_overlap_prefetch_dropped_then_queued_again_is_not_lost(tmp_path, monkey
     )
     rows = logger.rows
     assert [m[P + "interval_steps"] for _, m in rows] == [1.0] * 3
-    # Steps 2 and 3: the first micro-batch's prefetch is dropped, the second's is used.
-    assert counter.queued == 4
+    # Steps 2 and 3: the first micro-batch's prefetch is dropped, the second queues none.
+    assert counter.queued == 2
     assert_directions(rows, [STATE, STATE + PREFETCH, STATE + PREFETCH], [STATE] * 3)
 
 

@@ -21,6 +21,7 @@ from conftest import assert_same, run_script
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_models import make_data, torch_reference, trainer
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
@@ -170,6 +171,29 @@ def test_validation_between_steps_sees_the_updated_weights(tmp_path, stream_orde
         [reference.trainer.callback_metrics["val_loss"]],
     )
     assert_same(list(offload.parameters()), list(reference.parameters()))
+
+
+def hook_count(module: nn.Module) -> int:
+    return sum(
+        len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks)
+        for m in module.modules()
+    ) + sum(len(p._backward_hooks or {}) for p in module.parameters())
+
+
+def test_training_end_removes_the_overlap_and_frees_the_device_buffers(tmp_path, stream_order):
+    """After ``fit`` the module keeps none of the overlap's hooks (a later fit makes new
+    optimizers; the Trainer keeps this one) and the optimizer holds nothing on the device; its
+    state, resident state written back to the host, is torch's."""
+    offload, reference = fit_pair(tmp_path, Validated, 0.5, max_steps=4, limit_val_batches=1)
+    assert_trained_alike(offload, reference, stream_order)
+    assert hook_count(offload) == hook_count(reference)
+    optimizer = offload.trainer.optimizers[0]
+    assert optimizer._overlapping() is None
+    stats = optimizer.memory_stats()
+    assert stats["staging_bytes"] == stats["resident_bytes"] == 0
+    ours, theirs = optimizer.state_dict()["state"], reference.trainer.optimizers[0].state_dict()
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_same([ours[i][key] for i in sorted(ours)], [theirs["state"][i][key] for i in ours])
 
 
 class ValidatedWithScale(Validated):
@@ -711,7 +735,7 @@ def test_metadata_reads_before_the_forward_are_not_reads(tmp_path, stream_order)
     stays), and the result is the reference's."""
     offload, reference = fit_pair(tmp_path, ManualZeroGradFirst, max_steps=4)
     assert_trained_alike(offload, reference, stream_order)
-    overlap = offload.trainer.optimizers[0]._overlapping()
+    overlap = offload.trainer.optimizers[0]._overlap  # removed at the end of training
     assert overlap.read_before_hook == set() and overlap.early == set()
     assert "training_step" not in vars(offload)  # the watch's wrapper is gone after the step
 
@@ -829,6 +853,40 @@ def test_state_dict_views_written_after_the_next_forward_pass(stream_order, resi
     model(x)  # waits for the last updates
     stream_order.expect_none()
     assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_device_memory_released_between_steps(stream_order, resident):
+    """``release_device_memory()`` after a step, then the parameters move (as Lightning moves
+    the module to the CPU after ``fit``): no buffer is left, the parameters' old memory is not
+    kept alive, and the next steps allocate again (state resident again) and train as torch's
+    AdamW does, the resident state having been written back first."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    twin = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    twin.load_state_dict(model.state_dict())
+    ours, theirs = overlapped_pair(model, twin, lr=0.01, resident=resident)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(5):
+        x = torch.randn(4, 8, generator=generator)
+        for net, optimizer in ((model, ours), (twin, theirs)):
+            net(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if step == 2:
+            ours.release_device_memory()
+            stats = ours.memory_stats()
+            assert stats["staging_bytes"] == stats["resident_bytes"] == 0
+            old = [StorageWeakRef(p.untyped_storage()) for p in model.parameters()]
+            for p in model.parameters():
+                p.data = p.data.clone()
+            assert all(storage.expired() for storage in old)
+    model(x)  # waits for the last updates
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    ours_state, theirs_state = ours.state_dict()["state"], theirs.state_dict()["state"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_same([s[key] for s in ours_state.values()], [s[key] for s in theirs_state.values()])
+    assert (ours.memory_stats()["resident_bytes"] > 0) == (resident is not None)
 
 
 # --------------------------------------------------------------- 6. manual optimization

@@ -88,9 +88,10 @@ class OffloadOptimizerMixin:
     name contains ``norm``. Override :meth:`offload_optimizer_args` to change groups or
     arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
     run follows the current Trainer's length. With ``overlap_step``, ``on_validation_model_eval``
-    and ``on_train_end`` wait for the queued updates, and ``on_fit_start`` turns the overlap off
-    where a weight-averaging callback reads the weights after each step: call ``super()`` where
-    you override them.
+    waits for the queued updates, and ``on_fit_start`` turns the overlap off where a
+    weight-averaging callback reads the weights after each step; ``on_train_end`` removes the
+    overlap and frees what the optimizers hold on the device: call ``super()`` where you
+    override them.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -237,18 +238,23 @@ class OffloadOptimizerMixin:
         """With ``overlap_step``, order validation (whose steps may read parameters without the
         forward hooks, a root parameter say) after the last step's updates; Lightning calls
         this hook before any ``on_validation_start``, the callbacks' included."""
-        self._wait_for_offload_updates()
+        for overlap in self._offload_overlaps():
+            overlap.wait_all()
         super().on_validation_model_eval()  # type: ignore[misc]
 
     def on_train_end(self) -> None:
-        """With ``overlap_step``, order what reads the weights after training (Lightning moves
-        the module to the CPU at teardown) after the last step's updates."""
-        self._wait_for_offload_updates()
-        super().on_train_end()  # type: ignore[misc]
-
-    def _wait_for_offload_updates(self) -> None:
+        """Order what reads the weights after training (Lightning moves the module to the CPU
+        at teardown) after the last step's updates, remove the overlap's hooks from the module
+        (a later fit makes new optimizers), and free what the optimizers hold on the device
+        (the Trainer keeps them, and Lightning frees only state it finds in ``optimizer.state``):
+        :meth:`OffloadAdamW.release_device_memory`."""
         for overlap in self._offload_overlaps():
-            overlap.wait_all()
+            overlap.remove()
+        trainer = getattr(self, "_trainer", None)
+        for optimizer in trainer.optimizers if trainer is not None else []:
+            if isinstance(optimizer, OffloadAdamW):
+                optimizer.release_device_memory()
+        super().on_train_end()  # type: ignore[misc]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
