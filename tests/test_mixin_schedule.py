@@ -364,6 +364,33 @@ def test_hand_set_lr_reaches_both_halves_after_a_resume(tmp_path, schedule):
     assert_same(list(resumed.parameters()), list(full.parameters()))
 
 
+class UsedLrs(pl.Callback):
+    """The lr of the first group at each optimizer step, the LR finder's steps included."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module, optimizer) -> None:
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+
+def test_the_lr_finders_suggestion_becomes_the_peak_of_the_warm_up(tmp_path, monkeypatch):
+    """Lightning's LearningRateFinder writes its suggestion into ``hparams.lr`` and into every
+    param group before training: the schedule warms up to it, and decays from it."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+    from lightning.pytorch.tuner import lr_finder
+
+    suggestion, steps = 0.003, 10
+    monkeypatch.setattr(lr_finder._LRFinder, "suggestion", lambda self, **_: suggestion)
+    model = TinyModel(warmup_steps=4, lr_schedule="cosine")
+    used = UsedLrs()
+    finder = LearningRateFinder(num_training_steps=5, early_stop_threshold=None)
+    trainer(tmp_path, max_steps=steps, callbacks=[finder, used]).fit(model)
+    assert model.hparams.lr == suggestion
+    expected = [suggestion * reference_lr_factor(4, steps, 0.0, step) for step in range(steps)]
+    assert used.lrs[-steps:] == pytest.approx(expected, rel=1e-9)
+
+
 def test_a_set_of_parameters_is_refused_as_torch_refuses_it():
     """torch refuses a set (its order changes between runs); the mixin's split must not
     accept one first."""
@@ -436,6 +463,21 @@ def test_hand_set_lr_is_kept_and_scheduled_from_there():
         else:  # 0.5 trains step 4, later steps scale it as the schedule does
             expected = 0.5 * expected_factor(step) / expected_factor(4)
             assert second == pytest.approx(expected, rel=1e-12), step
+
+
+def test_hand_set_lr_before_the_first_step_is_the_peak():
+    """Set before any step (as the LR finder does), an lr is the base the warm-up rises to, for
+    the linked groups too; the other group keeps its own."""
+    optimizer = sgd(1.0)
+    for _ in range(2):
+        optimizer.add_param_group({"params": [param()], "lr": 0.1, LINKED_GROUP_KEY: 7})
+    scheduler = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
+    optimizer.param_groups[2]["lr"] = 0.4
+    used = run_sgd(optimizer, scheduler, 11)
+    for step, (first, *linked) in enumerate(used):
+        factor = expected_factor(step)
+        assert first == pytest.approx(factor, rel=1e-12), step
+        assert linked == pytest.approx([0.4 * factor] * 2, rel=1e-12), step
 
 
 def test_hand_set_lr_reaches_linked_groups_in_the_same_step():

@@ -48,6 +48,9 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
 
     - A group added after the scheduler was made follows the schedule from where it is: its base
       lr is its lr when first seen divided by the factor then in effect.
+    - A learning rate set by hand before the first step is the group's new base (peak) lr, the
+      warm-up starting from it: Lightning's ``LearningRateFinder`` writes its suggestion into
+      every group (and into ``hparams.lr``, the mixin's peak lr) before training starts.
     - A learning rate set by hand between steps is kept and scheduled from there the same way
       (and given to the groups linked to it by :data:`LINKED_GROUP_KEY`).
     - ``load_state_dict`` restores the progress and base lrs, but keeps this scheduler's shape:
@@ -90,6 +93,8 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
         def link_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             if (live := schedule()) is not None:
                 link_hand_set_lrs(optimizer.param_groups, live._written)
+                if live.last_epoch == 0:
+                    live._take_hand_set_peaks()
 
         optimizer.register_step_pre_hook(link_before_step)
 
@@ -117,6 +122,15 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
                 self._rebase(i, float(group["lr"]), in_effect)
         self._written = [base * self.factor(self.last_epoch) for base in self.base_lrs]
         return list(self._written)
+
+    def _take_hand_set_peaks(self) -> None:
+        """Before the first step: an lr set by hand is the group's base lr; the step uses the
+        schedule's first factor of it."""
+        for i, group in enumerate(self.optimizer.param_groups[: len(self._written)]):
+            if float(group["lr"]) != self._written[i]:
+                self._rebase(i, float(group["lr"]), 1.0)
+                group["lr"] = self._written[i] = self.base_lrs[i] * self.factor(0)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _rebase(self, index: int, lr: float, in_effect: float) -> None:
         """Schedule group ``index`` from ``lr``, set while ``in_effect`` was the factor."""
