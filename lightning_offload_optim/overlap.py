@@ -136,16 +136,22 @@ class ForwardOverlap:
         """FSDP2 copies a unit's shards into its all-gather on streams of its own, which wait
         for the caller's stream only in the root's pre-forward: make them wait for this unit's
         updates, and for those of the units it prefetches (``set_modules_to_forward_prefetch``),
-        before the unit's pre-forward queues those copies. Where FSDP2's streams cannot be
-        found (they are private), the caller's stream waits for every update instead, which
-        orders the root's all-gathers after all of them."""
+        before the unit's pre-forward queues those copies; the caller's stream waits for the
+        prefetched units' updates as well. Where FSDP2's streams cannot be found (they are
+        private), the caller's stream waits for every update instead, which orders the root's
+        all-gathers after all of them."""
         streams, prefetched = _all_gather_streams(unit)
         if streams is None:
             self.wait_all()
             return
-        reads = [*params, *(p for u in prefetched for p in self._unit_params.get(id(u), ()))]
+        ahead = [
+            p for u in prefetched for p in self._unit_params.get(id(u), ()) if p in self.pending
+        ]
         for stream in streams:
-            self._wait((p for p in reads if p in self.pending), stream)
+            self._wait((p for p in params if p in self.pending), stream)
+            self._wait(ahead, stream)
+        # An asynchronous unshard (FSDP2's ``unshard_async_op``) copies on the caller's stream.
+        self._wait(ahead)
 
     def first_use(self, param: Tensor) -> int:
         """Where ``param`` was first used in the forward passes seen; after all of them if
@@ -325,24 +331,37 @@ def _is_fsdp2_unit(module: nn.Module) -> bool:
 
 def _all_gather_streams(unit: nn.Module) -> tuple[list[Any] | None, list[nn.Module]]:
     """The streams on which FSDP2 copies ``unit``'s shards into its all-gathers ([] before its
-    first forward pass), and the modules of the units it prefetches in its pre-forward; None for
-    the streams where this torch keeps them elsewhere."""
+    first forward pass sets them up), and the modules of the units it prefetches in its
+    pre-forward; None for the streams where this torch keeps them elsewhere."""
+    names = ("all_gather_copy_in_stream", "all_gather_stream")
     try:
         state = unit._get_fsdp_state()  # type: ignore[operator]
         context = state._comm_ctx
         prefetched = [m for s in state._states_to_forward_prefetch for m in s._modules]
     except AttributeError:
         return None, []
-    names = ("all_gather_copy_in_stream", "all_gather_stream")
-    return [getattr(context, n) for n in names if hasattr(context, n)], prefetched
+    if not hasattr(context, "device_handle"):  # set up with the streams, at the first forward
+        return [], prefetched
+    if not all(hasattr(context, n) for n in names):
+        return None, []
+    return [getattr(context, n) for n in names], prefetched
 
 
 def _unit_parameters(unit: nn.Module) -> list[Tensor]:
-    """The parameters an FSDP2 unit all-gathers: its subtree's, less nested units'."""
+    """The parameters an FSDP2 unit all-gathers: its subtree's (with ``fully_shard([a, b])``,
+    those of every module of the group, which the first of them to run gathers), less nested
+    units'."""
+    try:
+        group = list(unit._get_fsdp_state()._modules)  # type: ignore[operator]
+    except AttributeError:
+        group = [unit]
+    members = {id(m) for m in group}
     nested = {
         id(p)
-        for child in unit.modules()
-        if child is not unit and _is_fsdp2_unit(child)
+        for module in group
+        for child in module.modules()
+        if id(child) not in members and _is_fsdp2_unit(child)
         for p in child.parameters()
     }
-    return [p for p in unit.parameters() if id(p) not in nested]
+    params = {id(p): p for module in group for p in module.parameters() if id(p) not in nested}
+    return list(params.values())

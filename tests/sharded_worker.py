@@ -159,14 +159,47 @@ def fsdp_bf16_params(mesh) -> dict:
     )
 
 
-def fsdp_overlapped(forward_prefetch: bool, without: str | None = None) -> Callable:
-    """``overlap_with`` the sharded model (half resident, staged in small chunks) under the
+def overlapped_net(mesh, layout: str) -> nn.Module:
+    """The sharded model of the overlap scenarios. ``layout``: "units" (each layer a unit),
+    "prefetch" (each unit prefetches the next one's all-gather in its pre-forward, before that
+    unit's own hook runs), "async-prefetch" (and unshards asynchronously, on the caller's
+    stream), "grouped" (``fully_shard([hidden, out])``: one all-gather for both, in the
+    pre-forward of the first to run)."""
+    if layout != "grouped":
+        model = sharded_net(mesh)
+    else:
+        torch.manual_seed(0)
+        model = Net()
+        fully_shard(model.inp, mesh=mesh)
+        fully_shard([model.hidden, model.out], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if layout in ("prefetch", "async-prefetch"):
+        model.inp.set_modules_to_forward_prefetch([model.hidden])
+        model.hidden.set_modules_to_forward_prefetch([model.out])
+    if layout == "async-prefetch":
+        for unit in (model, model.inp, model.hidden, model.out):
+            unit._set_unshard_async_op(True)
+    return model
+
+
+def subtree_less_nested_units(unit: nn.Module) -> list[torch.Tensor]:
+    """What the overlap took for a unit's parameters before groups were seen."""
+    from lightning_offload_optim.overlap import _is_fsdp2_unit
+
+    nested = {
+        id(p) for c in unit.modules() if c is not unit and _is_fsdp2_unit(c) for p in c.parameters()
+    }
+    return [p for p in unit.parameters() if id(p) not in nested]
+
+
+def fsdp_overlapped(layout: str, without: str | None = None) -> Callable:
+    """``overlap_with`` the sharded model (staged in small chunks) under the
     stream-ordering checker, which also simulates FSDP2's all-gather streams: each unit's
-    all-gather copies its shards on a stream of its own, which must wait for their updates.
-    ``forward_prefetch``: each unit prefetches the next one's all-gather in its pre-forward,
-    before that unit's own hook runs. ``without`` removes one of the waits: "all_gathers" all
-    of them, "prefetched" those for the prefetched units (the checker must then see races);
-    "streams" hides FSDP2's streams from the overlap, which must then wait for everything."""
+    all-gather copies its shards on a stream of its own, which must wait for their updates
+    (see :func:`overlapped_net` for ``layout``). ``without`` removes one of the waits:
+    "all_gathers" all of them, "prefetched" those for the prefetched units, "group" the
+    grouped modules' (the checker must then see races); "streams" hides FSDP2's streams from
+    the overlap, which must then wait for everything."""
 
     def run(mesh) -> dict:
         import stream_checker
@@ -175,10 +208,7 @@ def fsdp_overlapped(forward_prefetch: bool, without: str | None = None) -> Calla
 
         result = {}
         for name in ("ours", "reference"):
-            model = sharded_net(mesh)
-            if forward_prefetch:
-                model.inp.set_modules_to_forward_prefetch([model.hidden])
-                model.hidden.set_modules_to_forward_prefetch([model.out])
+            model = overlapped_net(mesh, layout)
             with (
                 stream_checker.StreamChecker() as checker,
                 stream_checker._patch_context() as patch,
@@ -192,9 +222,18 @@ def fsdp_overlapped(forward_prefetch: bool, without: str | None = None) -> Calla
                     )
                 elif without == "streams":
                     patch(overlap, "_all_gather_streams", lambda unit: (None, []))
+                elif without == "group":
+                    patch(overlap, "_unit_parameters", subtree_less_nested_units)
                 if name == "ours":
+                    # Half resident; all offloaded for the group, whose last update (out's)
+                    # would else be ordered before hidden's by the resident choice.
+                    resident = None if layout == "grouped" else 0.5
                     optimizer = OffloadAdamW(
-                        model.parameters(), force_staging=True, chunk_size=64, resident=0.5, **HYPER
+                        model.parameters(),
+                        force_staging=True,
+                        chunk_size=64,
+                        resident=resident,
+                        **HYPER,
                     )
                     optimizer.overlap_with(model)
                 else:
@@ -615,11 +654,17 @@ def scenarios(phase: str, out: Path) -> dict[str, Callable]:
         "fsdp_staged_small_chunks": fsdp_staged_small_chunks,
         "fsdp_bf16_params": fsdp_bf16_params,
         "fsdp_mixed_precision_policy": fsdp_mixed_precision_policy,
-        "fsdp_overlapped": fsdp_overlapped(forward_prefetch=False),
-        "fsdp_overlapped_forward_prefetch": fsdp_overlapped(forward_prefetch=True),
-        "fsdp_overlapped_without_all_gather_waits": fsdp_overlapped(False, "all_gathers"),
-        "fsdp_overlapped_without_prefetch_waits": fsdp_overlapped(True, "prefetched"),
-        "fsdp_overlapped_streams_unknown": fsdp_overlapped(True, "streams"),
+        "fsdp_overlapped": fsdp_overlapped("units"),
+        "fsdp_overlapped_forward_prefetch": fsdp_overlapped("prefetch"),
+        "fsdp_overlapped_async_prefetch": fsdp_overlapped("async-prefetch"),
+        "fsdp_overlapped_grouped": fsdp_overlapped("grouped"),
+        "fsdp_overlapped_streams_unknown": fsdp_overlapped("prefetch", "streams"),
+        "fsdp_overlapped_without_all_gather_waits": fsdp_overlapped("units", "all_gathers"),
+        "fsdp_overlapped_without_prefetch_waits": fsdp_overlapped("prefetch", "prefetched"),
+        "fsdp_overlapped_async_without_prefetch_waits": fsdp_overlapped(
+            "async-prefetch", "prefetched"
+        ),
+        "fsdp_overlapped_grouped_without_group": fsdp_overlapped("grouped", "group"),
         "tensor_parallel_placements": tensor_parallel_placements,
         "refusals": refusals,
         "zero_redundancy": zero_redundancy,

@@ -374,3 +374,22 @@ def test_the_gradient_hooks_registry_forgets_dead_parameters():
     optimizer.step()
     assert all(len(p._backward_hooks or {}) == 1 for p in model[1].parameters())
     optimizer.wait_for_updates()
+
+
+def test_fsdp2_streams_out_of_reach_fall_back_to_waiting_for_everything():
+    """FSDP2's all-gather streams are private attributes: once FSDP2 has set up (it has a
+    device handle) but they are not where this code looks, the overlap must say so (None: the
+    root waits for every update) rather than find no stream to order."""
+    from types import SimpleNamespace
+
+    from lightning_offload_optim.overlap import _all_gather_streams
+
+    context = SimpleNamespace()
+    state = SimpleNamespace(_comm_ctx=context, _states_to_forward_prefetch=[])
+    unit = SimpleNamespace(_get_fsdp_state=lambda: state)
+    assert _all_gather_streams(unit) == ([], [])  # before the first forward: nothing set up
+    context.device_handle = torch.cpu
+    assert _all_gather_streams(unit) == (None, [])  # set up, streams renamed
+    context.all_gather_copy_in_stream, context.all_gather_stream = "copy-in", "gather"
+    assert _all_gather_streams(unit) == (["copy-in", "gather"], [])
+    assert _all_gather_streams(SimpleNamespace()) == (None, [])  # no FSDP2 state at all
