@@ -364,31 +364,36 @@ def test_hand_set_lr_reaches_both_halves_after_a_resume(tmp_path, schedule):
     assert_same(list(resumed.parameters()), list(full.parameters()))
 
 
-class UsedLrs(pl.Callback):
-    """The lr of the first group at each optimizer step, the LR finder's steps included."""
+class RecordsSteps(TinyModel):
+    """Records, at each optimizer step (an LR finder's included: it swaps the Trainer's
+    callbacks for its own), the first group's lr and whether the step overlaps."""
 
-    def __init__(self) -> None:
-        self.lrs: list[float] = []
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module, optimizer) -> None:
-        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+    def on_before_optimizer_step(self, optimizer) -> None:
+        vars(self).setdefault("lrs", []).append(float(optimizer.param_groups[0]["lr"]))
+        vars(self).setdefault("overlapping", []).append(optimizer._overlapping() is not None)
 
 
 def test_the_lr_finders_suggestion_becomes_the_peak_of_the_warm_up(tmp_path, monkeypatch):
-    """Lightning's LearningRateFinder writes its suggestion into ``hparams.lr`` and into every
-    param group before training: the schedule warms up to it, and decays from it."""
+    """Lightning's LearningRateFinder runs its own steps at its own lrs (the finder's steps must
+    use them, or its suggestion is off), then writes its suggestion into ``hparams.lr`` and into
+    every param group: the schedule warms up to it and decays from it, and the real run still
+    overlaps its steps."""
     from lightning.pytorch.callbacks import LearningRateFinder
     from lightning.pytorch.tuner import lr_finder
 
-    suggestion, steps = 0.003, 10
+    suggestion, tries, steps = 0.003, 5, 10
     monkeypatch.setattr(lr_finder._LRFinder, "suggestion", lambda self, **_: suggestion)
-    model = TinyModel(warmup_steps=4, lr_schedule="cosine")
-    used = UsedLrs()
-    finder = LearningRateFinder(num_training_steps=5, early_stop_threshold=None)
-    trainer(tmp_path, max_steps=steps, callbacks=[finder, used]).fit(model)
+    model = RecordsSteps(warmup_steps=4, lr_schedule="cosine", overlap_step=True)
+    finder = LearningRateFinder(
+        min_lr=1e-4, max_lr=1e-1, num_training_steps=tries, early_stop_threshold=None
+    )
+    trainer(tmp_path, max_steps=steps, callbacks=[finder]).fit(model)
     assert model.hparams.lr == suggestion
+    assert len(model.lrs) == tries + steps
+    assert model.lrs[:tries] == pytest.approx(finder.optimal_lr.results["lr"], rel=1e-9)
     expected = [suggestion * reference_lr_factor(4, steps, 0.0, step) for step in range(steps)]
-    assert used.lrs[-steps:] == pytest.approx(expected, rel=1e-9)
+    assert model.lrs[tries:] == pytest.approx(expected, rel=1e-9)
+    assert all(model.overlapping)
 
 
 def test_a_set_of_parameters_is_refused_as_torch_refuses_it():
@@ -466,13 +471,14 @@ def test_hand_set_lr_is_kept_and_scheduled_from_there():
 
 
 def test_hand_set_lr_before_the_first_step_is_the_peak():
-    """Set before any step (as the LR finder does), an lr is the base the warm-up rises to, for
-    the linked groups too; the other group keeps its own."""
+    """Set before any step (as the LR finder does) and taken as the peak, an lr is the base the
+    warm-up rises to, for the linked groups too; the other group keeps its own."""
     optimizer = sgd(1.0)
     for _ in range(2):
         optimizer.add_param_group({"params": [param()], "lr": 0.1, LINKED_GROUP_KEY: 7})
     scheduler = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
     optimizer.param_groups[2]["lr"] = 0.4
+    scheduler.take_set_lrs_as_peaks()
     used = run_sgd(optimizer, scheduler, 11)
     for step, (first, *linked) in enumerate(used):
         factor = expected_factor(step)

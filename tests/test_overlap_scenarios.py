@@ -180,10 +180,11 @@ def hook_count(module: nn.Module) -> int:
     ) + sum(len(p._backward_hooks or {}) for p in module.parameters())
 
 
-def test_training_end_removes_the_overlap_and_frees_the_device_buffers(tmp_path, stream_order):
-    """After ``fit`` the module keeps none of the overlap's hooks (a later fit makes new
-    optimizers; the Trainer keeps this one) and the optimizer holds nothing on the device; its
-    state, resident state written back to the host, is torch's."""
+def test_fit_end_frees_the_device_buffers_and_removes_the_overlap(tmp_path, stream_order):
+    """After ``fit`` the optimizer holds nothing on the device (the mixin's ``on_train_end``)
+    and the module none of the overlap's hooks (its ``teardown``: a later fit makes new
+    optimizers; the Trainer keeps this one); the optimizer's state, resident state written back
+    to the host, is torch's."""
     offload, reference = fit_pair(tmp_path, Validated, 0.5, max_steps=4, limit_val_batches=1)
     assert_trained_alike(offload, reference, stream_order)
     assert hook_count(offload) == hook_count(reference)

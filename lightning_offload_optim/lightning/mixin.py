@@ -89,9 +89,10 @@ class OffloadOptimizerMixin:
     arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
     run follows the current Trainer's length. With ``overlap_step``, ``on_validation_model_eval``
     waits for the queued updates, and ``on_fit_start`` turns the overlap off where a
-    weight-averaging callback reads the weights after each step; ``on_train_end`` removes the
-    overlap and frees what the optimizers hold on the device: call ``super()`` where you
-    override them.
+    weight-averaging callback reads the weights after each step; ``on_train_end`` frees what
+    the optimizers hold on the device, and ``teardown`` removes the overlap's hooks. Where
+    ``on_fit_start`` finds an lr set before the first step (``LearningRateFinder``'s
+    suggestion), it is the schedule's peak. Call ``super()`` where you override these hooks.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -179,7 +180,8 @@ class OffloadOptimizerMixin:
         optimizer = OffloadAdamW(**self.offload_optimizer_args())
         if self.offload_hparam("overlap_step") and optimizer.enabled:
             assert isinstance(self, torch.nn.Module)
-            optimizer.overlap_with(self)
+            # Removed at teardown, with those of an LR finder's own optimizers.
+            vars(self).setdefault("_offload_overlaps_made", []).append(optimizer.overlap_with(self))
         if self.offload_hparam("no_decay_norm_and_bias"):
             assert isinstance(self, torch.nn.Module)
             split_groups_added_later(optimizer, self)
@@ -225,6 +227,9 @@ class OffloadOptimizerMixin:
             )
         if any(o.watching for o in self._offload_overlaps()) and "training_step" not in vars(self):
             _watch_training_step(self)
+        for config in trainer.lr_scheduler_configs if trainer is not None else []:
+            if isinstance(config.scheduler, WarmupCosineLR):  # after the LR finder's writes
+                config.scheduler.take_set_lrs_as_peaks()
         super().on_fit_start()  # type: ignore[misc]
 
     def _offload_overlaps(self) -> list[Any]:
@@ -244,17 +249,25 @@ class OffloadOptimizerMixin:
 
     def on_train_end(self) -> None:
         """Order what reads the weights after training (Lightning moves the module to the CPU
-        at teardown) after the last step's updates, remove the overlap's hooks from the module
-        (a later fit makes new optimizers), and free what the optimizers hold on the device
-        (the Trainer keeps them, and Lightning frees only state it finds in ``optimizer.state``):
-        :meth:`OffloadAdamW.release_device_memory`."""
+        at teardown) after the last step's updates, and free what the optimizers hold on the
+        device (the Trainer keeps them, and Lightning frees only state it finds in
+        ``optimizer.state``): :meth:`OffloadAdamW.release_device_memory`. A tuner's run
+        (``BatchSizeFinder``) ends here too, and training goes on with the same optimizers:
+        their next step allocates again."""
         for overlap in self._offload_overlaps():
-            overlap.remove()
+            overlap.wait_all()
         trainer = getattr(self, "_trainer", None)
         for optimizer in trainer.optimizers if trainer is not None else []:
             if isinstance(optimizer, OffloadAdamW):
                 optimizer.release_device_memory()
         super().on_train_end()  # type: ignore[misc]
+
+    def teardown(self, stage: str) -> None:
+        """Remove the hooks of the overlaps ``configure_optimizers`` made (those of an LR
+        finder's own optimizers included): a later fit makes new optimizers."""
+        for overlap in vars(self).pop("_offload_overlaps_made", []):
+            overlap.remove()
+        super().teardown(stage)  # type: ignore[misc]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # type: ignore[misc]

@@ -48,9 +48,10 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
 
     - A group added after the scheduler was made follows the schedule from where it is: its base
       lr is its lr when first seen divided by the factor then in effect.
-    - A learning rate set by hand before the first step is the group's new base (peak) lr, the
-      warm-up starting from it: Lightning's ``LearningRateFinder`` writes its suggestion into
-      every group (and into ``hparams.lr``, the mixin's peak lr) before training starts.
+    - :meth:`take_set_lrs_as_peaks` takes learning rates set by hand before the first step as
+      the groups' base (peak) lrs: the mixin calls it as training starts, after Lightning's
+      ``LearningRateFinder`` wrote its suggestion into every group (and into ``hparams.lr``,
+      the mixin's peak lr).
     - A learning rate set by hand between steps is kept and scheduled from there the same way
       (and given to the groups linked to it by :data:`LINKED_GROUP_KEY`).
     - ``load_state_dict`` restores the progress and base lrs, but keeps this scheduler's shape:
@@ -93,8 +94,6 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
         def link_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             if (live := schedule()) is not None:
                 link_hand_set_lrs(optimizer.param_groups, live._written)
-                if live.last_epoch == 0:
-                    live._take_hand_set_peaks()
 
         optimizer.register_step_pre_hook(link_before_step)
 
@@ -123,14 +122,23 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
         self._written = [base * self.factor(self.last_epoch) for base in self.base_lrs]
         return list(self._written)
 
-    def _take_hand_set_peaks(self) -> None:
-        """Before the first step: an lr set by hand is the group's base lr; the step uses the
-        schedule's first factor of it."""
+    def take_set_lrs_as_peaks(self) -> None:
+        """Before the first step, take each lr set by hand since this scheduler wrote it as the
+        group's base (peak) lr, so that the first step uses the schedule's first factor of it;
+        after it, such an lr is the current one (see the class). Only call it where nothing
+        else drives the lrs (an LR finder's own run writes its own)."""
+        if self.last_epoch != 0:
+            return
+        link_hand_set_lrs(self.optimizer.param_groups, self._written)
         for i, group in enumerate(self.optimizer.param_groups[: len(self._written)]):
             if float(group["lr"]) != self._written[i]:
                 self._rebase(i, float(group["lr"]), 1.0)
-                group["lr"] = self._written[i] = self.base_lrs[i] * self.factor(0)
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+                self._written[i] = self.base_lrs[i] * self.factor(0)
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(self._written[i])
+                else:
+                    group["lr"] = self._written[i]
+        self._last_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
 
     def _rebase(self, index: int, lr: float, in_effect: float) -> None:
         """Schedule group ``index`` from ``lr``, set while ``in_effect`` was the factor."""
