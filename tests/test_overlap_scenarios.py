@@ -830,15 +830,20 @@ def test_a_wider_layer_first_used_later_grows_the_staging_buffers(stream_order, 
     assert_same(list(model.parameters()), list(twin.parameters()))
 
 
+def mlp_pair(resident) -> tuple[nn.Module, nn.Module, OffloadAdamW, torch.optim.AdamW]:
+    """A small MLP and its twin, with :func:`overlapped_pair`'s optimizers."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    twin = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    twin.load_state_dict(model.state_dict())
+    return model, twin, *overlapped_pair(model, twin, lr=0.01, resident=resident)
+
+
 @pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
 def test_state_dict_views_written_after_the_next_forward_pass(stream_order, resident):
     """``state_dict()`` views taken before a forward pass and written after it (a callback
     resetting moments in ``on_before_optimizer_step``): the next step uses the writes, as
     torch's does, though the forward pass would queue that step's first copies before them."""
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
-    twin = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
-    twin.load_state_dict(model.state_dict())
-    ours, theirs = overlapped_pair(model, twin, lr=0.01, resident=resident)
+    model, twin, ours, theirs = mlp_pair(resident)
     generator = torch.Generator().manual_seed(0)
     for step in range(4):
         x = torch.randn(4, 8, generator=generator)
@@ -862,10 +867,7 @@ def test_device_memory_released_between_steps(stream_order, resident):
     the module to the CPU after ``fit``): no buffer is left, the parameters' old memory is not
     kept alive, and the next steps allocate again (state resident again) and train as torch's
     AdamW does, the resident state having been written back first."""
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
-    twin = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
-    twin.load_state_dict(model.state_dict())
-    ours, theirs = overlapped_pair(model, twin, lr=0.01, resident=resident)
+    model, twin, ours, theirs = mlp_pair(resident)
     generator = torch.Generator().manual_seed(0)
     for step in range(5):
         x = torch.randn(4, 8, generator=generator)
