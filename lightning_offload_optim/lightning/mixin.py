@@ -263,9 +263,10 @@ class OffloadOptimizerMixin:
         super().on_train_end()  # type: ignore[misc]
 
     def teardown(self, stage: str) -> None:
-        """Remove the hooks of the overlaps ``configure_optimizers`` made (those of an LR
-        finder's own optimizers included): a later fit makes new optimizers."""
-        for overlap in vars(self).pop("_offload_overlaps_made", []):
+        """Remove the hooks of the trainer's optimizers' overlaps and of those the mixin's
+        ``configure_optimizers`` made (an LR finder's own optimizers' included): a later fit
+        makes new optimizers."""
+        for overlap in [*vars(self).pop("_offload_overlaps_made", []), *self._offload_overlaps()]:
             overlap.remove()
         super().teardown(stage)  # type: ignore[misc]
 
