@@ -394,7 +394,7 @@ def test_the_lr_finders_suggestion_becomes_the_peak_of_the_warm_up(tmp_path, mon
     expected = [suggestion * reference_lr_factor(4, steps, 0.0, step) for step in range(steps)]
     assert model.lrs[tries:] == pytest.approx(expected, rel=1e-9)
     assert all(model.overlapping)
-    # The finder's optimizers overlapped the module too: no hook of either is left.
+    # The finder's steps ran on the same optimizer: after the fit none of its hooks is left.
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 

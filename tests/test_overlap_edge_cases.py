@@ -12,6 +12,7 @@ import contextlib
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same, clone_params, make_params
@@ -456,3 +457,97 @@ def test_two_overlapped_optimizers_both_watch_training_step(tmp_path, stream_ord
     assert_same(list(offload.parameters()), list(reference.parameters()))
     # overlap_with in the module's own configure_optimizers: teardown removes its hooks too.
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in offload.modules())
+
+
+class ReadsHeadFirst(OffloadOptimizerMixin, pl.LightningModule):
+    """``overlap_step`` on, with ``training_step`` reading the head's weight (a penalty) before
+    the head runs; records at each step whether it overlaps."""
+
+    def __init__(self, batch_size: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.save_hyperparameters({"overlap_step": True, "lr": 0.02})
+        torch.manual_seed(0)
+        self.batch_size = batch_size  # BatchSizeFinder tunes it
+        self.inp = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 8, bias=False)
+        self.overlapping: list[bool] = []
+
+    def offload_optimizer_args(self) -> dict[str, Any]:
+        return {**super().offload_optimizer_args(), "force_staging": True, "chunk_size": 64}
+
+    def train_dataloader(self) -> DataLoader:
+        x, y = make_data(32).tensors
+        return DataLoader(
+            torch.utils.data.TensorDataset(x, y.expand(-1, 8).clone()), batch_size=self.batch_size
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        penalty = 1e-2 * self.head.weight.pow(2).sum()  # read before head's hook
+        return F.mse_loss(self.head(torch.tanh(self.inp(x))), y) + penalty
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.overlapping.append(optimizer._overlapping() is not None)
+
+
+@pytest.mark.parametrize("tuner", ["lr-finder", "batch-size-finder"])
+def test_after_a_tuner_the_real_run_overlaps_and_watches_training_step(
+    tmp_path, monkeypatch, tuner
+):
+    """Lightning's tuners train in their callback's ``on_fit_start``, before the module's, on
+    the same optimizers, and end in ``on_train_end``: the real run must still overlap, and its
+    ``training_step`` read of the head before the head's hook must still be found and waited
+    for (the stream checker sees any unordered read)."""
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+    from lightning.pytorch.tuner import lr_finder
+
+    monkeypatch.setattr(lr_finder._LRFinder, "suggestion", lambda self, **_: 0.01)
+    finder = (
+        LearningRateFinder(num_training_steps=3, early_stop_threshold=None)
+        if tuner == "lr-finder"
+        else BatchSizeFinder(mode="power", init_val=2, max_trials=2, steps_per_trial=2)
+    )
+    model = ReadsHeadFirst()
+    trainer(tmp_path, max_steps=4, callbacks=[finder]).fit(model)
+    assert len(model.overlapping) > 4 and all(model.overlapping[-4:])
+
+
+class FailsOnce(ReadsHeadFirst):
+    failed = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2 and not FailsOnce.failed:
+            FailsOnce.failed = True
+            raise RuntimeError("simulated: out of memory")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.no_stream_check  # reading the weights after a failed fit does not wait (documented)
+def test_a_fit_that_failed_leaves_the_module_copyable_and_the_retry_frees_the_old_pipeline(
+    tmp_path,
+):
+    """Lightning calls no ``on_train_end`` or ``teardown`` when ``fit`` raises (an OOM, say):
+    the module must still deep-copy (nothing of the optimizer in its ``__dict__``), and a retry
+    with a new Trainer must not keep the old optimizer's pipeline (its device buffers) alive."""
+    import copy
+    import gc
+    import weakref
+
+    FailsOnce.failed = False
+    model = FailsOnce()
+    first = trainer(tmp_path, max_steps=6)
+    with pytest.raises(RuntimeError, match="simulated"):
+        first.fit(model)
+    copy.deepcopy(model)
+    old = weakref.ref(first.optimizers[0]._pipeline)
+    del first
+
+    class OldPipeline(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            gc.collect()
+            self.alive = old() is not None
+
+    check = OldPipeline()
+    trainer(tmp_path, max_steps=2, callbacks=[check]).fit(model)
+    assert not check.alive

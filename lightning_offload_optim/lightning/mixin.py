@@ -89,8 +89,9 @@ class OffloadOptimizerMixin:
     arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
     run follows the current Trainer's length. With ``overlap_step``, ``on_validation_model_eval``
     waits for the queued updates, and ``on_fit_start`` turns the overlap off where a
-    weight-averaging callback reads the weights after each step; ``on_train_end`` frees what
-    the optimizers hold on the device, and ``teardown`` removes the overlap's hooks. Where
+    weight-averaging callback reads the weights after each step, and ``on_train_start`` watches
+    ``training_step`` until the first step; ``on_train_end`` frees what the optimizers hold on
+    the device, and ``teardown`` removes the overlap's hooks. Where
     ``on_fit_start`` finds an lr set before the first step (``LearningRateFinder``'s
     suggestion), it is the schedule's peak. Call ``super()`` where you override these hooks.
 
@@ -180,8 +181,7 @@ class OffloadOptimizerMixin:
         optimizer = OffloadAdamW(**self.offload_optimizer_args())
         if self.offload_hparam("overlap_step") and optimizer.enabled:
             assert isinstance(self, torch.nn.Module)
-            # Removed at teardown, with those of an LR finder's own optimizers.
-            vars(self).setdefault("_offload_overlaps_made", []).append(optimizer.overlap_with(self))
+            optimizer.overlap_with(self)  # removed at teardown
         if self.offload_hparam("no_decay_norm_and_bias"):
             assert isinstance(self, torch.nn.Module)
             split_groups_added_later(optimizer, self)
@@ -214,7 +214,8 @@ class OffloadOptimizerMixin:
         after the steps (Lightning's ``WeightAveraging``, ``EMAWeightAveraging``,
         ``StochasticWeightAveraging``): callbacks run before this module's hooks, so it would
         read weights still being updated, and waiting for them first leaves nothing to overlap.
-        Otherwise watch ``training_step`` until the first step (:func:`_watch_training_step`)."""
+        Take an lr set before the first step (the LR finder's suggestion) as the schedule's
+        peak."""
         trainer = getattr(self, "_trainer", None)
         averaging = _weight_averaging_callbacks(trainer.callbacks if trainer is not None else [])
         for overlap in self._offload_overlaps() if averaging else []:
@@ -225,12 +226,18 @@ class OffloadOptimizerMixin:
                 "could overlap the step.",
                 stacklevel=2,
             )
-        if any(o.watching for o in self._offload_overlaps()) and "training_step" not in vars(self):
-            _watch_training_step(self)
         for config in trainer.lr_scheduler_configs if trainer is not None else []:
             if isinstance(config.scheduler, WarmupCosineLR):  # after the LR finder's writes
                 config.scheduler.take_set_lrs_as_peaks()
         super().on_fit_start()  # type: ignore[misc]
+
+    def on_train_start(self) -> None:
+        """Watch ``training_step`` until the first step (:func:`_watch_training_step`). Each
+        training run starts here, a tuner's (``LearningRateFinder``, ``BatchSizeFinder``, which
+        run in their ``on_fit_start``, before this module's) and the real one after it."""
+        if any(o.watching for o in self._offload_overlaps()) and "training_step" not in vars(self):
+            _watch_training_step(self)
+        super().on_train_start()  # type: ignore[misc]
 
     def _offload_overlaps(self) -> list[Any]:
         """The forward overlaps of this trainer's OffloadAdamW optimizers that have one."""
@@ -263,10 +270,9 @@ class OffloadOptimizerMixin:
         super().on_train_end()  # type: ignore[misc]
 
     def teardown(self, stage: str) -> None:
-        """Remove the hooks of the trainer's optimizers' overlaps and of those the mixin's
-        ``configure_optimizers`` made (an LR finder's own optimizers' included): a later fit
+        """Remove the hooks of the trainer's optimizers' overlaps from this module: a later fit
         makes new optimizers."""
-        for overlap in [*vars(self).pop("_offload_overlaps_made", []), *self._offload_overlaps()]:
+        for overlap in self._offload_overlaps():
             overlap.remove()
         super().teardown(stage)  # type: ignore[misc]
 
