@@ -523,13 +523,14 @@ class FailsOnce(ReadsHeadFirst):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.no_stream_check  # reading the weights after a failed fit does not wait (documented)
 def test_a_fit_that_failed_leaves_the_module_copyable_and_the_retry_frees_the_old_pipeline(
-    tmp_path,
+    tmp_path, stream_order
 ):
     """Lightning calls no ``on_train_end`` or ``teardown`` when ``fit`` raises (an OOM, say):
-    the module must still deep-copy (nothing of the optimizer in its ``__dict__``), and a retry
-    with a new Trainer must not keep the old optimizer's pipeline (its device buffers) alive."""
+    moving the module (``to``, as Lightning's own teardown does) must wait for the queued
+    updates; the module must still deep-copy (nothing of the optimizer in its ``__dict__``);
+    and a retry with a new Trainer must not keep the old optimizer's pipeline (its device
+    buffers) alive."""
     import copy
     import gc
     import weakref
@@ -539,6 +540,9 @@ def test_a_fit_that_failed_leaves_the_module_copyable_and_the_retry_frees_the_ol
     first = trainer(tmp_path, max_steps=6)
     with pytest.raises(RuntimeError, match="simulated"):
         first.fit(model)
+    model.to(torch.float64)  # reads every weight
+    stream_order.expect_none()
+    model.to(torch.float32)
     copy.deepcopy(model)
     old = weakref.ref(first.optimizers[0]._pipeline)
     del first

@@ -269,6 +269,14 @@ class OffloadOptimizerMixin:
                 optimizer.release_device_memory()
         super().on_train_end()  # type: ignore[misc]
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``to``, ``cpu``, ``half``... read every parameter: order them after the queued
+        updates (Lightning moves the module to the CPU after ``fit``, also after one that
+        raised, when no end hook ran)."""
+        for overlap in self._offload_overlaps():
+            overlap.wait_all()
+        return super()._apply(fn, recurse)  # type: ignore[misc]
+
     def teardown(self, stage: str) -> None:
         """Remove the hooks of the trainer's optimizers' overlaps from this module: a later fit
         makes new optimizers."""
