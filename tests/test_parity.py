@@ -365,7 +365,15 @@ def test_step_counts_are_float32_whatever_the_default_dtype():
     assert_same(params, reference)
 
 
-@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+#: With all state resident on the device (chosen at the second step), the resident copy must
+#: follow the new memory order too.
+STRIDE_MODES = {
+    **MODES,
+    "staged-resident": {"force_staging": True, "chunk_size": 64, "resident": 1.0},
+}
+
+
+@pytest.mark.parametrize("mode", STRIDE_MODES.values(), ids=STRIDE_MODES.keys())
 def test_stride_change_after_the_first_step_is_followed(mode):
     """``model.to(memory_format=torch.channels_last)`` after steps: torch's AdamW keeps going;
     so does OffloadAdamW, reordering the state to the new memory order. The reference is torch

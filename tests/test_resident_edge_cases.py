@@ -1,6 +1,7 @@
 """Resident-state corners found by a mutation test of the suite (each test fails on a mutant
-that survived it): a stride change after steps, "auto" keeping its choice while free memory
-falls, and the choice following first use once an overlap starts. Against an independent
+that survived it): "auto" keeping its choice while free memory falls, and the choice
+following first use once an overlap starts (a stride change after steps with resident state
+is a mode of ``test_parity.py``'s stride test). Against an independent
 ``torch.optim.AdamW(fused=True)`` under the stream-ordering checker.
 """
 
@@ -10,45 +11,6 @@ import torch
 from conftest import assert_same, clone_params, make_params
 
 from lightning_offload_optim import OffloadAdamW
-
-
-def test_stride_change_after_steps_with_resident_state(stream_order):
-    """``model.to(memory_format=torch.channels_last)`` after steps, with the state resident on
-    the device: the resident copy must follow the state's new memory order too."""
-    params = make_params([(8, 3, 5, 5), (6, 2, 3, 3), (40,)])
-    reference = clone_params(params)
-    offload = OffloadAdamW(
-        params, weight_decay=0.1, force_staging=True, chunk_size=64, resident=1.0
-    )
-    torch_opt = torch.optim.AdamW(reference, weight_decay=0.1, fused=True)
-    generator = torch.Generator().manual_seed(10)
-
-    def grads(channels_last):
-        for p, r in zip(params, reference, strict=True):
-            g = torch.randn(p.shape, generator=generator)
-            if channels_last and g.dim() == 4:
-                g = g.contiguous(memory_format=torch.channels_last)
-            p.grad, r.grad = g.clone(), g.clone()
-
-    for _ in range(3):
-        grads(False)
-        offload.step()
-        torch_opt.step()
-    for p, r in zip(params[:2], reference[:2], strict=True):
-        p.data = p.data.contiguous(memory_format=torch.channels_last)
-        r.data = r.data.contiguous(memory_format=torch.channels_last)
-        for key, value in torch_opt.state[r].items():
-            if key != "step":
-                torch_opt.state[r][key] = value.contiguous(memory_format=torch.channels_last)
-    for _ in range(3):
-        grads(True)
-        offload.step()
-        torch_opt.step()
-    assert_same(params, reference)
-    for p, r in zip(params, reference, strict=True):
-        state = offload.offloaded_state(p)
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(state[key], torch_opt.state[r][key]), key
 
 
 def test_auto_keeps_its_choice_while_nothing_is_laid_out_anew(monkeypatch, stream_order):
