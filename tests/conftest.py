@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -167,6 +168,33 @@ def assert_state_offloaded(
         assert marks | {"step"} == set(entry), f"parameter {i}: {entry}"
         assert marks >= {"exp_avg", "exp_avg_sq"}
         assert all(entry[k].key == k for k in marks)
+
+
+def overlapped_pair(
+    model: torch.nn.Module,
+    twin: torch.nn.Module,
+    lr: float,
+    resident: Any = None,
+    chunk_size: int = 64,
+) -> tuple[torch.optim.Optimizer, torch.optim.AdamW]:
+    """OffloadAdamW over ``model`` (staged, overlapping its forward passes) and torch fused
+    AdamW over ``twin``, alike."""
+    from lightning_offload_optim import OffloadAdamW  # here: see assert_state_offloaded
+
+    ours = OffloadAdamW(
+        model.parameters(), lr=lr, force_staging=True, chunk_size=chunk_size, resident=resident
+    )
+    ours.overlap_with(model)
+    return ours, torch.optim.AdamW(twin.parameters(), lr=lr, fused=True)
+
+
+def assert_overlapped_alike(
+    stream_order: Any, optimizer: Any, model: torch.nn.Module, twin: torch.nn.Module
+) -> None:
+    """Every access ordered, and once the queued updates are done the same weights."""
+    stream_order.expect_none()
+    optimizer.wait_for_updates()
+    assert_same(list(model.parameters()), list(twin.parameters()))
 
 
 def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:

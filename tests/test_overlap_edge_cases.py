@@ -15,7 +15,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same, clone_params, make_params
+from conftest import (
+    assert_overlapped_alike,
+    assert_same,
+    clone_params,
+    make_params,
+    overlapped_pair,
+)
 from lightning_models import make_data, trainer
 from torch import nn
 from torch.utils.data import DataLoader
@@ -46,9 +52,7 @@ def test_evaluation_before_the_first_step_does_not_hide_functional_reads(stream_
     the first training step must not count head's parameters as reached by a hook: the training
     forward reads them before any hook, so each step must wait for their update."""
     model, reference = FunctionalHead(), FunctionalHead()
-    opt = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
-    opt.overlap_with(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    opt, ref_opt = overlapped_pair(model, reference, lr=0.05)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         model.evaluate(x)
@@ -58,9 +62,7 @@ def test_evaluation_before_the_first_step_does_not_hide_functional_reads(stream_
             net(x).pow(2).sum().backward()
             o.step()
             o.zero_grad()
-    stream_order.expect_none()
-    opt.wait_for_updates()
-    assert_same(model.parameters(), reference.parameters())
+    assert_overlapped_alike(stream_order, opt, model, reference)
 
 
 class TwoParts(nn.Module):
@@ -77,11 +79,9 @@ def test_alternating_frozen_parts_keep_the_events_of_the_part_not_stepped(stream
     runs in that step's backward, so nothing has waited yet for ``y``'s first update. The next
     read of ``y`` through its module must still wait for it."""
     model, reference = TwoParts(), TwoParts()
-    opt = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
     for net in (model, reference):
         net.x.requires_grad_(False)
-    opt.overlap_with(model)
+    opt, ref_opt = overlapped_pair(model, reference, lr=0.05)
     inp = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
     for net, o in ((model, opt), (reference, ref_opt)):
         net.y(inp).pow(2).sum().backward()
@@ -128,9 +128,7 @@ def test_overlap_switched_on_between_backward_and_step(stream_order):
                 opt.overlap_with(model)
             o.step()
             o.zero_grad()
-    stream_order.expect_none()
-    opt.wait_for_updates()
-    assert_same(model.parameters(), reference.parameters())
+    assert_overlapped_alike(stream_order, opt, model, reference)
 
 
 class RootScale(nn.Module):
@@ -157,9 +155,7 @@ def test_a_parameter_once_read_before_any_hook_is_waited_for_at_every_step(strea
     reached it through the root's hook must still wait for its update, since the next pass may
     read it before any hook again."""
     model, reference = RootScale(), RootScale()
-    opt = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
-    opt.overlap_with(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    opt, ref_opt = overlapped_pair(model, reference, lr=0.05)
     generator = torch.Generator().manual_seed(1)
     for through_root in (False, True, False, True, False):
         x = torch.randn(4, 8, generator=generator)
@@ -167,9 +163,7 @@ def test_a_parameter_once_read_before_any_hook_is_waited_for_at_every_step(strea
             (net(x) if through_root else net.child_only(x)).pow(2).mean().backward()
             o.step()
             o.zero_grad()
-    stream_order.expect_none()
-    opt.wait_for_updates()
-    assert_same(model.parameters(), reference.parameters())
+    assert_overlapped_alike(stream_order, opt, model, reference)
 
 
 class TiedTransposeProperty(nn.Module):
@@ -189,9 +183,7 @@ class TiedTransposeProperty(nn.Module):
 
 def test_a_weight_read_through_the_T_property_before_its_module(stream_order):
     model, reference = TiedTransposeProperty(), TiedTransposeProperty()
-    opt = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
-    opt.overlap_with(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    opt, ref_opt = overlapped_pair(model, reference, lr=0.05)
     generator = torch.Generator().manual_seed(1)
     for _ in range(4):
         x = torch.randn(4, 16, generator=generator)
@@ -199,9 +191,7 @@ def test_a_weight_read_through_the_T_property_before_its_module(stream_order):
             net(x).backward()
             o.step()
             o.zero_grad()
-    stream_order.expect_none()
-    opt.wait_for_updates()
-    assert_same(model.parameters(), reference.parameters())
+    assert_overlapped_alike(stream_order, opt, model, reference)
 
 
 def test_removing_the_watch_keeps_several_modes_above_it_in_order():

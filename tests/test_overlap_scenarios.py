@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same, run_script
+from conftest import assert_same, overlapped_pair, run_script
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_models import make_data, torch_reference, trainer
 from torch import nn
@@ -101,18 +101,6 @@ def fit_pair(tmp_path: Path, cls: type[Base], resident=None, model_kwargs=None, 
         trainer(tmp_path / optimizer, **trainer_kwargs).fit(model)
         models.append(model)
     return models
-
-
-def overlapped_pair(
-    model: nn.Module, twin: nn.Module, lr: float, resident=None, chunk_size: int = 64
-) -> tuple[OffloadAdamW, torch.optim.AdamW]:
-    """OffloadAdamW over ``model`` (staged, overlapping its forward passes) and torch fused
-    AdamW over ``twin``, alike."""
-    ours = OffloadAdamW(
-        model.parameters(), lr=lr, force_staging=True, chunk_size=chunk_size, resident=resident
-    )
-    ours.overlap_with(model)
-    return ours, torch.optim.AdamW(twin.parameters(), lr=lr, fused=True)
 
 
 def assert_losses_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
