@@ -188,6 +188,19 @@ def overlapped_pair(
     return ours, torch.optim.AdamW(twin.parameters(), lr=lr, fused=True)
 
 
+def record_update_order(monkeypatch: pytest.MonkeyPatch, optimizer: Any) -> list[torch.Tensor]:
+    """A list that each later step's chunk updates extend with their parameters, in order."""
+    updated: list[torch.Tensor] = []
+    real = optimizer._update_chunk
+
+    def spy(chunk, views, active, steps, hyper):  # type: ignore[no-untyped-def]
+        updated.extend(active[s.index].param for s in chunk.segments)
+        return real(chunk, views, active, steps, hyper)
+
+    monkeypatch.setattr(optimizer, "_update_chunk", spy)
+    return updated
+
+
 def assert_overlapped_alike(
     stream_order: Any, optimizer: Any, model: torch.nn.Module, twin: torch.nn.Module
 ) -> None:

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same
+from conftest import assert_same, record_update_order
 from torch import nn
 
 from lightning_offload_optim import OffloadAdamW
@@ -101,14 +101,7 @@ def test_updates_run_in_the_order_the_forward_uses_parameters(monkeypatch):
     chunks, so the first layers' parameters are ready first."""
     model, optimizer = overlapped()
     train(model, optimizer, 1)  # the first forward records the order
-    updated = []
-    real = optimizer._update_chunk
-
-    def spy(chunk, views, active, steps, hyper):
-        updated.extend(active[s.index].param for s in chunk.segments)
-        return real(chunk, views, active, steps, hyper)
-
-    monkeypatch.setattr(optimizer, "_update_chunk", spy)
+    updated = record_update_order(monkeypatch, optimizer)
     train(model, optimizer, 1)
     first_use = [
         model.scale,  # the root's own parameter: waited for when the root's forward starts

@@ -21,6 +21,7 @@ from conftest import (
     clone_params,
     make_params,
     overlapped_pair,
+    record_update_order,
 )
 from lightning_models import make_data, trainer
 from torch import nn
@@ -295,14 +296,7 @@ def test_parameters_found_early_at_a_later_step_are_updated_first(stream_order, 
     # documented "once" of docs/limitations.md (a read outside its module first seen after
     # steps in which its module ran). This test is about the order of later updates.
     stream_order.violations.clear()
-    updated = []
-    real = opt._update_chunk
-
-    def spy(chunk, views, active, steps, hyper):
-        updated.extend(active[s.index].param for s in chunk.segments)
-        return real(chunk, views, active, steps, hyper)
-
-    monkeypatch.setattr(opt, "_update_chunk", spy)
+    updated = record_update_order(monkeypatch, opt)
     model(x, True).sum().backward()
     opt.step()
     opt.wait_for_updates()
