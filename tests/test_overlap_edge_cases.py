@@ -1,14 +1,13 @@
 """Overlap corners found by a mutation test of the suite (each test fails on a mutant that
 survived it): reads before any hook that one pass hides and another shows, parts frozen in
-turn, an overlap switched on between backward and step, reads through ``.T``, the watch's
-place on the torch-function mode stack, a second ``overlap_with``, the update order and the
-allocator's view of the gradients, two overlapped optimizers under the mixin. Each compares
-with an independent ``torch.optim.AdamW(fused=True)`` under the stream-ordering checker.
+turn, an overlap switched on between backward and step, reads through ``.T``, a second
+``overlap_with``, the update order and the allocator's view of the gradients, two overlapped
+optimizers under the mixin, tuners and a failed ``fit``. Each compares with an independent
+``torch.optim.AdamW(fused=True)`` under the stream-ordering checker.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import lightning.pytorch as pl
@@ -193,55 +192,6 @@ def test_a_weight_read_through_the_T_property_before_its_module(stream_order):
             o.step()
             o.zero_grad()
     assert_overlapped_alike(stream_order, opt, model, reference)
-
-
-def test_removing_the_watch_keeps_several_modes_above_it_in_order():
-    from torch.overrides import TorchFunctionMode
-
-    from lightning_offload_optim.overlap import _remove_mode
-
-    modes = [TorchFunctionMode() for _ in range(4)]
-    for mode in modes:
-        torch._C._push_on_torch_function_stack(mode)
-    try:
-        _remove_mode(modes[0])  # three modes above it
-        left = [torch._C._get_function_stack_at(i) for i in range(3)]
-    finally:
-        while torch._C._len_torch_function_stack():
-            torch._C._pop_torch_function_stack()
-    assert left == modes[1:]
-
-
-def test_two_interrupted_forwards_leave_nothing_on_the_stack_after_the_first_step():
-    """Each interrupted forward (``KeyboardInterrupt`` skips the ``always_call`` hook) leaves
-    one level of the watch's nesting; after the stop, the first end must take the watch off
-    the stack whatever that depth."""
-
-    class Interrupted(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.Linear(8, 8)
-            self.interrupt = True
-
-        def forward(self, x):
-            if self.interrupt:
-                raise KeyboardInterrupt
-            return self.layer(x).sum()
-
-    model = Interrupted()
-    opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)
-    opt.overlap_with(model)
-    for _ in range(2):
-        with contextlib.suppress(KeyboardInterrupt):
-            model(torch.ones(2, 8))
-    model.interrupt = False
-    model(torch.ones(2, 8)).backward()
-    opt.step()
-    model(torch.ones(2, 8))
-    depth = torch._C._len_torch_function_stack()
-    while torch._C._len_torch_function_stack():
-        torch._C._pop_torch_function_stack()
-    assert depth == 0
 
 
 def test_overlap_with_called_again_replaces_the_first_overlap():

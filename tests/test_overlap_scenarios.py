@@ -743,9 +743,11 @@ def test_the_watch_is_off_the_stack_when_training_step_raises(tmp_path):
     assert torch._C._len_torch_function_stack() == 0
 
 
-def test_a_forward_interrupted_without_its_end_leaves_nothing_after_the_next():
+@pytest.mark.parametrize("interrupts", [1, 2])
+def test_a_forward_interrupted_without_its_end_leaves_nothing_after_the_next(interrupts):
     """A ``KeyboardInterrupt`` skips the ``always_call`` forward hook that takes the watch off
-    the stack; the end of the first forward after the first step does it."""
+    the stack (each leaves one level of its nesting); the end of the first forward after the
+    first step does it, whatever that depth."""
 
     class Interrupted(nn.Module):
         def __init__(self) -> None:
@@ -761,8 +763,9 @@ def test_a_forward_interrupted_without_its_end_leaves_nothing_after_the_next():
     model = Interrupted()
     ours = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64)
     ours.overlap_with(model)
-    with pytest.raises(KeyboardInterrupt):
-        model(torch.ones(2, 8))
+    for _ in range(interrupts):
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.ones(2, 8))
     assert torch._C._len_torch_function_stack() == 1
     model.interrupt = False
     model(torch.ones(2, 8)).backward()
@@ -775,14 +778,14 @@ def test_a_forward_interrupted_without_its_end_leaves_nothing_after_the_next():
 def test_removing_a_mode_keeps_the_others_in_order():
     from lightning_offload_optim.overlap import _remove_mode
 
-    modes = [TorchFunctionMode() for _ in range(3)]
+    modes = [TorchFunctionMode() for _ in range(4)]
     for mode in modes:
         torch._C._push_on_torch_function_stack(mode)
-    _remove_mode(modes[1])
-    left = [torch._C._get_function_stack_at(i) for i in range(2)]
-    _remove_mode(modes[2])
-    _remove_mode(modes[0])
-    assert left == [modes[0], modes[2]]
+    _remove_mode(modes[1])  # two modes above it
+    left = [torch._C._get_function_stack_at(i) for i in range(3)]
+    for mode in (modes[3], modes[0], modes[2]):
+        _remove_mode(mode)
+    assert left == [modes[0], modes[2], modes[3]]
     assert torch._C._len_torch_function_stack() == 0
 
 
