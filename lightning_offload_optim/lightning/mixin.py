@@ -88,12 +88,12 @@ class OffloadOptimizerMixin:
     name contains ``norm``. Override :meth:`offload_optimizer_args` to change groups or
     arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
     run follows the current Trainer's length. With ``overlap_step``, ``on_validation_model_eval``
-    waits for the queued updates, and ``on_fit_start`` turns the overlap off where a
+    waits for the queued updates, ``on_fit_start`` turns the overlap off where a
     weight-averaging callback reads the weights after each step, and ``on_train_start`` watches
     ``training_step`` until the first step; ``on_train_end`` frees what the optimizers hold on
-    the device, and ``teardown`` removes the overlap's hooks. Where
-    ``on_fit_start`` finds an lr set before the first step (``LearningRateFinder``'s
-    suggestion), it is the schedule's peak. Call ``super()`` where you override these hooks.
+    the device, and ``teardown`` removes the overlap's hooks. Where ``on_fit_start`` finds an
+    lr set before the first step (``LearningRateFinder``'s suggestion), it is the schedule's
+    peak. Call ``super()`` where you override these hooks.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -250,8 +250,7 @@ class OffloadOptimizerMixin:
         """With ``overlap_step``, order validation (whose steps may read parameters without the
         forward hooks, a root parameter say) after the last step's updates; Lightning calls
         this hook before any ``on_validation_start``, the callbacks' included."""
-        for overlap in self._offload_overlaps():
-            overlap.wait_all()
+        self._wait_for_offload_updates()
         super().on_validation_model_eval()  # type: ignore[misc]
 
     def on_train_end(self) -> None:
@@ -261,21 +260,22 @@ class OffloadOptimizerMixin:
         ``optimizer.state``): :meth:`OffloadAdamW.release_device_memory`. A tuner's run
         (``BatchSizeFinder``) ends here too, and training goes on with the same optimizers:
         their next step allocates again."""
-        for overlap in self._offload_overlaps():
-            overlap.wait_all()
         trainer = getattr(self, "_trainer", None)
         for optimizer in trainer.optimizers if trainer is not None else []:
             if isinstance(optimizer, OffloadAdamW):
-                optimizer.release_device_memory()
+                optimizer.release_device_memory()  # waits for the queued updates first
         super().on_train_end()  # type: ignore[misc]
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``to``, ``cpu``, ``half``... read every parameter: order them after the queued
         updates (Lightning moves the module to the CPU after ``fit``, also after one that
         raised, when no end hook ran)."""
+        self._wait_for_offload_updates()
+        return super()._apply(fn, recurse)  # type: ignore[misc]
+
+    def _wait_for_offload_updates(self) -> None:
         for overlap in self._offload_overlaps():
             overlap.wait_all()
-        return super()._apply(fn, recurse)  # type: ignore[misc]
 
     def teardown(self, stage: str) -> None:
         """Remove the hooks of the trainer's optimizers' overlaps from this module: a later fit
