@@ -124,7 +124,7 @@ class ForwardOverlap:
 
     def _wait(self, params: Iterable[Tensor], stream: Any = None) -> None:
         """Make ``stream`` (the caller's current one by default) wait for the last updates of
-        ``params``."""
+        those of ``params`` that have one pending."""
         seen = set()
         for param in params:
             event, device = self.pending.get(param, (None, None))
@@ -144,12 +144,9 @@ class ForwardOverlap:
         if streams is None:
             self.wait_all()
             return
-        ahead = [
-            p for u in prefetched for p in self._unit_params.get(id(u), ()) if p in self.pending
-        ]
+        ahead = [p for u in prefetched for p in self._unit_params.get(id(u), ())]
         for stream in streams:
-            self._wait((p for p in params if p in self.pending), stream)
-            self._wait(ahead, stream)
+            self._wait([*params, *ahead], stream)
         # An asynchronous unshard (FSDP2's ``unshard_async_op``) copies on the caller's stream.
         self._wait(ahead)
 
