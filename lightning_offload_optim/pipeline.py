@@ -466,9 +466,7 @@ class StagingPipeline:
         resident state written back to the host first: the next run allocates staging again,
         and state is kept resident again once it is chosen again."""
         self.wait_host()
-        for arena in list(self._resident):
-            arena.resident = ResidentRanges()
-        self._resident.clear()
+        self.set_resident({arena: ResidentRanges() for arena in self._resident})
         self._buffers.clear()
         self._free.clear()
         self._prefetched = {}
