@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
     from lightning_offload_optim.pipeline import StagingPipeline
+
+
+UNHOOKED_WARNING = (
+    "OffloadAdamW: no forward hook of the overlapped module ran before the last two steps, so "
+    "they could not overlap a forward pass (each waited for its own updates). If the module was "
+    "run under torch.compile before overlap_with(), the compiled code does not call hooks added "
+    "since: call overlap_with() first (the mixin does, in configure_optimizers), or "
+    "torch._dynamo.reset() after it."
+)
 
 
 class ForwardOverlap:
@@ -83,6 +93,7 @@ class ForwardOverlap:
         self._module_params = {id(p) for p in module.parameters()}
         self._watch = _ReadWatch(self)  # notes reads until the first step
         self.early_version = 0  # changes whenever ``early`` does (chunk plans depend on it)
+        self._unhooked_steps = 0  # steps in a row with no hook run since the one before
         self._handles = []
         #: Per FSDP2 unit (by id), the parameters its all-gather reads.
         self._unit_params: dict[int, list[Tensor]] = {}
@@ -93,17 +104,18 @@ class ForwardOverlap:
                 unit = child
                 params = self._unit_params[id(child)] = _unit_parameters(child)
             if params:
-                hook = functools.partial(self._before_forward, params, unit)
+                hook = _eager(functools.partial(self._before_forward, params, unit))
                 self._handles.append(
                     child.register_forward_pre_hook(lambda _m, _a, hook=hook: hook(), prepend=True)
                 )
         self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
         self._hook_gradients(module.parameters())
-        self._handles.append(module.register_forward_hook(lambda *_: self._after_forward()))
-        self._handles.append(module.register_forward_pre_hook(lambda *_: self.begin_watch()))
-        self._handles.append(
-            module.register_forward_hook(lambda *_: self.end_watch(), always_call=True)
+        after_forward, begin, end = map(
+            _eager, (self._after_forward, self.begin_watch, self.end_watch)
         )
+        self._handles.append(module.register_forward_hook(lambda *_: after_forward()))
+        self._handles.append(module.register_forward_pre_hook(lambda *_: begin()))
+        self._handles.append(module.register_forward_hook(lambda *_: end(), always_call=True))
 
     def _after_forward(self) -> None:
         prefetch = self._prefetch() if self._prefetch is not None else None
@@ -170,8 +182,12 @@ class ForwardOverlap:
         reached, self._reached = self._reached, set()
         self._watch.stopped = True  # nothing was pending before the first step; now it is
         if not reached:  # no forward pass seen: nothing is known to wait later
+            self._unhooked_steps += 1
+            if self._unhooked_steps == 2:
+                warnings.warn(UNHOOKED_WARNING, stacklevel=5)
             self.wait_all()
             return
+        self._unhooked_steps = 0
         unreached = {
             id(p) for p in current if id(p) not in reached or id(p) in self.read_before_hook
         }
@@ -186,7 +202,7 @@ class ForwardOverlap:
         for param in params:
             if param.requires_grad and param not in self._gradient_hooked:
                 self._gradient_hooked[param] = True
-                hook = functools.partial(self._before_gradient)
+                hook = _eager(functools.partial(self._before_gradient))
                 hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
                 self._handles.append(param.register_hook(hook))
 
@@ -250,6 +266,11 @@ class _ReadWatch(TorchFunctionMode):
     when it only reads or sets metadata (``.dtype``, ``.shape``, ``.grad``, ``requires_grad``,
     as ``zero_grad`` and Lightning's ``toggle_optimizer`` do). The mode is on a thread's stack
     while that thread's watched passes run (``begin``/``end`` nest per thread).
+
+    ``__torch_function__`` is never traced (``torch.compiler.disable``): where the model is
+    ``torch.compile``'d, the watched passes then run eagerly (nothing is compiled before the
+    first step) and compilation starts with the next pass. Traced, the mode's notes would be
+    replayed as they were when traced, and with dynamic shapes tracing it fails outright.
     """
 
     def __init__(self, overlap: ForwardOverlap) -> None:
@@ -258,6 +279,7 @@ class _ReadWatch(TorchFunctionMode):
         self._overlap = weakref.ref(overlap)
         self._depth = threading.local()
 
+    @torch.compiler.disable
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
@@ -293,6 +315,13 @@ class _ReadWatch(TorchFunctionMode):
 
 #: Properties whose value is a view of the tensor's data; other properties are metadata.
 _VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, run as Python even inside a ``torch.compile``'d forward (a graph break at each
+    hooked module), as FSDP2 runs its own hooks: they order streams and queue copies from state
+    that changes at every step, which a traced graph would replay as it was when traced."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _reads_data(func: Any, result: Any) -> bool:

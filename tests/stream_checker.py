@@ -139,6 +139,12 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.checker = checker
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let ``torch.compile`` trace under the checker: its ``aot_eager`` graphs then run
+        their aten ops through this mode, and are recorded as eager ops are."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         # Tensor subclasses that wrap others (DTensor, the functional collectives'
         # AsyncCollectiveTensor) have no storage of their own: let them dispatch; the ops they
@@ -154,7 +160,8 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-_VIEW_LIKE = {"detach", "alias", "_unsafe_view", "lift_fresh"}
+#: Ops that read no data: views, and the storage-size check of compiled graphs' inputs.
+_NO_DATA = {"detach", "alias", "_unsafe_view", "lift_fresh", "_has_same_storage_numel"}
 
 
 class StreamChecker:
@@ -218,7 +225,7 @@ class StreamChecker:
     # ------------------------------------------------------------------ recording
     def record_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         name = func._schema.name.split("::")[-1]
-        if func.is_view or name in _VIEW_LIKE:
+        if func.is_view or name in _NO_DATA:
             return
         accesses = []  # (tensor, write)
         inputs = set()

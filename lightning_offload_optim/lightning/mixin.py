@@ -235,7 +235,8 @@ class OffloadOptimizerMixin:
         """Watch ``training_step`` until the first step (:func:`_watch_training_step`). Each
         training run starts here, a tuner's (``LearningRateFinder``, ``BatchSizeFinder``, which
         run in their ``on_fit_start``, before this module's) and the real one after it."""
-        if any(o.watching for o in self._offload_overlaps()) and "training_step" not in vars(self):
+        watched = getattr(self.training_step, "_offload_watch", False)  # a tuner's, still on
+        if any(o.watching for o in self._offload_overlaps()) and not watched:
             _watch_training_step(self)
         super().on_train_start()  # type: ignore[misc]
 
@@ -298,8 +299,10 @@ def _watch_training_step(module: OffloadOptimizerMixin) -> None:
     """Until the first step, run ``training_step`` under each overlap's watch for weights read
     before their module's forward (a penalty on a head's weight, a functional embedding lookup;
     see :class:`~lightning_offload_optim.overlap.ForwardOverlap`), which are then waited for at
-    each step. The wrapper is an instance attribute, removed once no overlap watches."""
+    each step. The wrapper is an instance attribute, removed once no overlap watches; it wraps
+    (and then gives back) the one ``trainer.fit(torch.compile(module))`` sets."""
     step = module.training_step
+    replaced = vars(module).get("training_step")
 
     @functools.wraps(step)
     def watched(*args: Any, **kwargs: Any) -> Any:
@@ -312,8 +315,12 @@ def _watch_training_step(module: OffloadOptimizerMixin) -> None:
             for overlap in overlaps:
                 overlap.end_watch()
             if not any(o.watching for o in module._offload_overlaps()):
-                vars(module).pop("training_step", None)
+                if replaced is None:
+                    vars(module).pop("training_step", None)
+                else:
+                    module.training_step = replaced  # type: ignore[method-assign]
 
+    watched._offload_watch = True  # type: ignore[attr-defined]
     module.training_step = watched  # type: ignore[method-assign]
 
 

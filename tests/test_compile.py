@@ -1,0 +1,201 @@
+"""Overlapped steps with a ``torch.compile``'d model, under the stream-ordering checker, against
+torch fused AdamW with the same model compiled the same way.
+
+The overlap's hooks must run as Python at every forward pass (a graph break at each hooked
+module), not be traced: they order streams and queue copies from state that changes at every
+step. A traced hook's stream waits and event records are replayed as they were when traced,
+and the next step's prefetched copies become part of the model's graph. The ``aot_eager``
+backend runs the compiled graphs' aten ops through the checker, which records them as eager
+ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same, overlapped_pair
+from lightning_models import AtTrainEnd, TinyModel, trainer
+from test_randomized import run_scenario
+from torch import nn
+
+RESIDENT = [None, 0.5]
+RESIDENT_IDS = ["offloaded", "resident-0.5"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles anew: no graph cached by another test's models."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Recorder:
+    """An ``aot_eager`` backend that notes every tensor a compiled graph takes as input, and
+    counts the graphs it compiled and the runs of them."""
+
+    def __init__(self) -> None:
+        self.graph_inputs: list[torch.Tensor] = []
+        self.compiled = 0
+        self.runs = 0
+        self._aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def __call__(
+        self, graph: torch.fx.GraphModule, example_inputs: list[Any]
+    ) -> Callable[..., Any]:
+        self.graph_inputs.extend(t for t in example_inputs if isinstance(t, torch.Tensor))
+        self.compiled += 1
+        run = self._aot_eager(graph, example_inputs)
+
+        def counted(*args: Any) -> Any:
+            self.runs += 1
+            return run(*args)
+
+        return counted
+
+    def assert_no_host_state(self, stream_order: Any) -> None:
+        """No compiled graph reads the optimizer's host buffers: the copies the overlap queues
+        after a forward pass (the next step's first chunks) were not traced into the model's
+        graph."""
+        assert self.compiled, "nothing was compiled"
+        traced = [
+            t
+            for t in self.graph_inputs
+            if t.untyped_storage().data_ptr() in stream_order.host_storages
+        ]
+        assert not traced, f"{len(traced)} host buffers are inputs of compiled graphs"
+
+
+class TiedMLP(nn.Module):
+    """An MLP between a tied embedding and decoder whose weights are read before their modules
+    run (so the read watch must see them through the compiled forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.dec = nn.Embedding(10, 8), nn.Linear(4, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 8))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.mlp(F.embedding(tokens, self.emb.weight))
+        out = self.dec(torch.tanh(F.linear(x, self.dec.weight.t())))
+        return (out - self.emb(tokens)).pow(2).mean()
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["compiled", "inside-compiled-parent"])
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_compiled_model_steps_as_torch(stream_order, resident, inside):
+    """``torch.compile(model)``, or of a parent that calls it (so the hooks on ``model`` itself,
+    which start the watch and queue the prefetch, are inside the compiled code too). The passes
+    watched before the first step run eagerly; from the next on, compiled graphs run, and none
+    is compiled again in later steps."""
+    model, twin = TiedMLP(), TiedMLP()
+    ours, theirs = overlapped_pair(model, twin, lr=0.01, resident=resident)
+    recorder = Recorder()
+    wrap = nn.Sequential if inside else (lambda net: net)
+    compiled = torch.compile(wrap(model), backend=recorder)
+    compiled_twin = torch.compile(wrap(twin), backend="aot_eager")
+    generator = torch.Generator().manual_seed(5)
+    compiled_by_step, runs_by_step = [], []
+    for _ in range(5):
+        tokens = torch.randint(0, 10, (6,), generator=generator)
+        before = recorder.compiled, recorder.runs
+        for net, optimizer in ((compiled, ours), (compiled_twin, theirs)):
+            net(tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        compiled_by_step.append(recorder.compiled - before[0])
+        runs_by_step.append(recorder.runs - before[1])
+    assert runs_by_step[0] == 0 and min(runs_by_step[1:]) > 0, runs_by_step
+    assert compiled_by_step[2:] == [0, 0, 0], compiled_by_step
+    recorder.assert_no_host_state(stream_order)
+    # The watch saw the tied reads through the compiled forward: they are updated first.
+    assert ours._overlap.early == {id(model.emb.weight), id(model.dec.weight)}
+    stream_order.expect_none()
+    ours.wait_for_updates()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+class PenalisedHead(TinyModel):
+    """Reads the head's weight in ``training_step`` before the forward pass (a penalty), which
+    the mixin's watch of ``training_step`` must see; logs nothing (on torch 2.13 Lightning's
+    ``self.log`` fails to compile)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        penalty = self.net[3].weight.square().sum()
+        return F.mse_loss(self(x), y) + 0.01 * penalty
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+def test_compiled_lightning_module_trains_as_torch(tmp_path, stream_order, resident):
+    """``trainer.fit(torch.compile(module))``: Lightning compiles ``forward`` and
+    ``training_step`` (instance attributes), which the mixin's watch wraps until the first step
+    and then gives back."""
+    recorder = Recorder()
+    models = []
+    at_end = AtTrainEnd()  # the offload run's
+    for optimizer, backend in (
+        ("offload", recorder),
+        ("torch", "aot_eager"),
+    ):
+        model = PenalisedHead(
+            optimizer,
+            force_staging=True,
+            overlap_step=optimizer == "offload",
+            offload_resident=resident if optimizer == "offload" else None,
+        )
+        fit = trainer(
+            tmp_path / optimizer,
+            max_steps=5,
+            callbacks=[at_end if optimizer == "offload" else AtTrainEnd()],
+        )
+        fit.fit(torch.compile(model, backend=backend))
+        models.append(model)
+    offload, reference = models
+    recorder.assert_no_host_state(stream_order)
+    stream_order.expect_none()
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+    assert at_end.overlap.early == {id(offload.net[3].weight)}  # the watch saw the penalty
+    assert not getattr(offload.training_step, "_offload_watch", False)
+    assert offload.training_step is not PenalisedHead.training_step.__get__(offload)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_scenario_compiled_matches_torch(stream_order, seed):
+    """``tests/test_randomized.py``'s scenarios with the training forward passes compiled:
+    layers used late and in shuffled orders (recompiles), evaluation and state-dict reads and
+    loads between steps."""
+    run_scenario(seed, torch.device("cpu"), compiled=True)
+    stream_order.expect_none()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_scenario_compiled_with_fsdp2_matches_torch(stream_order, mesh, seed):
+    run_scenario(seed, torch.device("cpu"), mesh, compiled=True)
+    stream_order.expect_none()
+
+
+def test_compiled_before_the_overlap_warns_and_steps_as_torch(stream_order):
+    """Dynamo does not guard on module hooks: code compiled before ``overlap_with`` never
+    calls its hooks. Each step then waits for its own updates (correct, not overlapped), and
+    the user is told why."""
+    model, twin = TiedMLP(), TiedMLP()
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.arange(6)).backward()  # compiled without hooks
+    twin(torch.arange(6)).backward()
+    ours, theirs = overlapped_pair(model, twin, lr=0.01)
+    generator = torch.Generator().manual_seed(5)
+    with pytest.warns(UserWarning, match="no forward hook of the overlapped module ran"):
+        for _ in range(3):
+            tokens = torch.randint(0, 10, (6,), generator=generator)
+            for net, optimizer in ((compiled, ours), (twin, theirs)):
+                net(tokens).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
