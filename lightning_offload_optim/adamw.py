@@ -12,7 +12,7 @@ import sys
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -265,10 +265,17 @@ class OffloadAdamW(torch.optim.AdamW):
             )
         return loss
 
-    def overlap_with(self, module: torch.nn.Module) -> ForwardOverlap:
+    def overlap_with(
+        self, module: torch.nn.Module, blocks: Iterable[torch.nn.Module] = ()
+    ) -> ForwardOverlap:
         """Let ``step()`` return before its updates finish, so ``module``'s next forward pass
         overlaps them: each submodule's forward waits (on the device) only for its own
         parameters. Results are bit-identical to an ordinary step.
+
+        ``blocks`` (submodules of ``module``, such as a transformer's layers) wait for all of
+        their parameters at once, and their submodules do not wait: fewer hooks. Under
+        ``torch.compile`` each hook is a graph break, and a hook inside a block breaks the
+        block's graph at every layer of a different shape; an FSDP2 unit already waits so.
 
         ``zero_grad()``, ``state_dict()``, ``load_state_dict()``, the next ``step()`` and
         ``module.state_dict()`` wait by themselves; call :meth:`wait_for_updates` before reading
@@ -286,9 +293,11 @@ class OffloadAdamW(torch.optim.AdamW):
                 "overlap_with needs enabled=True: a disabled OffloadAdamW steps as "
                 "torch.optim.AdamW does, with nothing to overlap"
             )
+        # Built (and its arguments checked) before the old overlap goes: an error keeps that.
+        overlap = ForwardOverlap(module, self._pipeline, weakref.WeakMethod(self._prefetch), blocks)
         if self._overlap is not None:
             self._overlap.remove()
-        self._overlap = ForwardOverlap(module, self._pipeline, weakref.WeakMethod(self._prefetch))
+        self._overlap = overlap
         # The module's hooks must not outlive this optimizer (nor keep its staging buffers).
         if self._overlap_finalizer is not None:
             self._overlap_finalizer.detach()  # the old overlap is removed already

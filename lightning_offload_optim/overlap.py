@@ -75,6 +75,7 @@ class ForwardOverlap:
         module: nn.Module,
         pipeline: StagingPipeline,
         prefetch: weakref.WeakMethod[Callable[[], None]] | None = None,
+        blocks: Iterable[nn.Module] = (),
     ) -> None:
         self._pipeline = pipeline
         self._prefetch = prefetch
@@ -97,12 +98,20 @@ class ForwardOverlap:
         self._handles = []
         #: Per FSDP2 unit (by id), the parameters its all-gather reads.
         self._unit_params: dict[int, list[Tensor]] = {}
-        for child in module.modules():
-            params = list(child.parameters(recurse=False))
-            unit = None
-            if _is_fsdp2_unit(child):
-                unit = child
+        blocks = _check_blocks(module, blocks)
+        covered: set[int] = set()  # modules whose parameters a block's or unit's hook waits for
+        for child in module.modules():  # parents first
+            unit = child if _is_fsdp2_unit(child) else None
+            if unit is not None:
                 params = self._unit_params[id(child)] = _unit_parameters(child)
+            elif id(child) in covered:
+                continue
+            elif id(child) in blocks:
+                params = _covered_parameters([child])
+            else:
+                params = list(child.parameters(recurse=False))
+            if unit is not None or id(child) in blocks:
+                covered.update(id(m) for m in child.modules())
             if params:
                 hook = _eager(functools.partial(self._before_forward, params, unit))
                 self._handles.append(
@@ -373,6 +382,20 @@ def _all_gather_streams(unit: nn.Module) -> tuple[list[Any] | None, list[nn.Modu
     return [getattr(context, n) for n in names], prefetched
 
 
+def _check_blocks(module: nn.Module, blocks: Iterable[nn.Module]) -> set[int]:
+    """The ids of ``blocks``, each a submodule of ``module``."""
+    inside = {id(m) for m in module.modules()}
+    ids = set()
+    for block in blocks:
+        if not isinstance(block, nn.Module) or id(block) not in inside:
+            raise ValueError(
+                f"overlap_with: blocks must be submodules of the overlapped "
+                f"{type(module).__name__}; got {type(block).__name__}"
+            )
+        ids.add(id(block))
+    return ids
+
+
 def _unit_parameters(unit: nn.Module) -> list[Tensor]:
     """The parameters an FSDP2 unit all-gathers: its subtree's (with ``fully_shard([a, b])``,
     those of every module of the group, which the first of them to run gathers), less nested
@@ -381,6 +404,12 @@ def _unit_parameters(unit: nn.Module) -> list[Tensor]:
         group = list(unit._get_fsdp_state()._modules)  # type: ignore[operator]
     except AttributeError:
         group = [unit]
+    return _covered_parameters(group)
+
+
+def _covered_parameters(group: list[nn.Module]) -> list[Tensor]:
+    """The parameters of the subtrees of ``group``'s modules, less those of FSDP2 units nested
+    in them (whose own hooks wait for theirs)."""
     members = {id(m) for m in group}
     nested = {
         id(p)

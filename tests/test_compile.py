@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same, overlapped_pair
+from conftest import assert_overlapped_alike, assert_same, overlapped_pair
 from lightning_models import AtTrainEnd, TinyModel, trainer
 from test_randomized import run_scenario
 from torch import nn
@@ -123,22 +123,36 @@ def test_compiled_model_steps_as_torch(stream_order, resident, inside):
 class PenalisedHead(TinyModel):
     """Reads the head's weight in ``training_step`` before the forward pass (a penalty), which
     the mixin's watch of ``training_step`` must see; logs nothing (on torch 2.13 Lightning's
-    ``self.log`` fails to compile)."""
+    ``self.log`` fails to compile). ``blocks``: the whole network waits as one block."""
+
+    blocks = False
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         penalty = self.net[3].weight.square().sum()
         return F.mse_loss(self(x), y) + 0.01 * penalty
 
+    def offload_overlap_blocks(self) -> Any:
+        return [self.net] if self.blocks else []
 
+
+class HooksAtTrainEnd(AtTrainEnd):
+    """Also the forward pre-hooks of the network's modules (the overlap's are gone after)."""
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_end(trainer, pl_module)
+        self.hooks = [len(m._forward_pre_hooks) for m in pl_module.net.modules()]
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["modules", "blocks"])
 @pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
-def test_compiled_lightning_module_trains_as_torch(tmp_path, stream_order, resident):
+def test_compiled_lightning_module_trains_as_torch(tmp_path, stream_order, resident, blocks):
     """``trainer.fit(torch.compile(module))``: Lightning compiles ``forward`` and
     ``training_step`` (instance attributes), which the mixin's watch wraps until the first step
     and then gives back."""
     recorder = Recorder()
     models = []
-    at_end = AtTrainEnd()  # the offload run's
+    at_end = HooksAtTrainEnd()  # the offload run's
     for optimizer, backend in (
         ("offload", recorder),
         ("torch", "aot_eager"),
@@ -149,6 +163,7 @@ def test_compiled_lightning_module_trains_as_torch(tmp_path, stream_order, resid
             overlap_step=optimizer == "offload",
             offload_resident=resident if optimizer == "offload" else None,
         )
+        model.blocks = blocks
         fit = trainer(
             tmp_path / optimizer,
             max_steps=5,
@@ -163,6 +178,8 @@ def test_compiled_lightning_module_trains_as_torch(tmp_path, stream_order, resid
     assert at_end.overlap.early == {id(offload.net[3].weight)}  # the watch saw the penalty
     assert not getattr(offload.training_step, "_offload_watch", False)
     assert offload.training_step is not PenalisedHead.training_step.__get__(offload)
+    # The network: one hook for it as a block, else one per module with parameters.
+    assert at_end.hooks == ([1, 0, 0, 0, 0] if blocks else [0, 1, 1, 0, 1])
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -199,3 +216,33 @@ def test_compiled_before_the_overlap_warns_and_steps_as_torch(stream_order):
                 optimizer.zero_grad()
     stream_order.expect_none()
     assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+def test_blocks_make_fewer_graphs_and_step_as_torch(stream_order):
+    """With the blocks passed to ``overlap_with`` only they (and modules outside them) break
+    the compiled graph: fewer graphs run per iteration than with a hook per module."""
+    from test_overlap_blocks import Tower
+
+    graphs_per_iteration = {}
+    for blocks in (False, True):
+        torch._dynamo.reset()
+        model, twin = Tower(), Tower()
+        ours, theirs = overlapped_pair(model, twin, lr=0.01)
+        if blocks:
+            ours.overlap_with(model, blocks=model.blocks)
+        recorder = Recorder()
+        compiled = torch.compile(model, backend=recorder)
+        compiled_twin = torch.compile(twin, backend="aot_eager")
+        generator = torch.Generator().manual_seed(5)
+        for step in range(4):
+            if step == 2:
+                recorder.runs = 0
+            tokens = torch.randint(0, 10, (6,), generator=generator)
+            for net, optimizer in ((compiled, ours), (compiled_twin, theirs)):
+                net(tokens).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        graphs_per_iteration[blocks] = recorder.runs / 2
+        recorder.assert_no_host_state(stream_order)
+        assert_overlapped_alike(stream_order, ours, model, twin)
+    assert 0 < graphs_per_iteration[True] < graphs_per_iteration[False], graphs_per_iteration

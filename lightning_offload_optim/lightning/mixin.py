@@ -7,6 +7,7 @@ import math
 import re
 import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -80,7 +81,8 @@ class OffloadOptimizerMixin:
     ``offload_resident``      None          :class:`OffloadAdamW` ``resident``: state kept on
                                             the device (a share, bytes or ``"auto"``)
     ``overlap_step``          False         let the step overlap the next forward pass
-                                            (:meth:`OffloadAdamW.overlap_with` this module)
+                                            (:meth:`OffloadAdamW.overlap_with` this module,
+                                            :meth:`offload_overlap_blocks` its blocks)
     ========================  ============  ================================================
 
     Norm weights are those of torch's norm modules, of any module whose class name ends in
@@ -176,12 +178,25 @@ class OffloadOptimizerMixin:
             args["chunk_size"] = self.offload_hparam("offload_chunk_size")
         return args
 
+    def offload_overlap_blocks(self) -> Iterable[torch.nn.Module]:
+        """With ``overlap_step``: submodules that wait for all of their parameters at once
+        (``blocks`` of :meth:`OffloadAdamW.overlap_with`), none by default. Return a
+        transformer's layers where the module is ``torch.compile``'d: each waiting module is a
+        graph break.
+
+        Example:
+            >>> class GPT(OffloadOptimizerMixin, pl.LightningModule):
+            ...     def offload_overlap_blocks(self):
+            ...         return self.layers
+        """
+        return ()
+
     def configure_optimizers(self) -> Any:
         """OffloadAdamW, with the warm-up/cosine schedule when the hyperparameters ask for it."""
         optimizer = OffloadAdamW(**self.offload_optimizer_args())
         if self.offload_hparam("overlap_step") and optimizer.enabled:
             assert isinstance(self, torch.nn.Module)
-            optimizer.overlap_with(self)  # removed at teardown
+            optimizer.overlap_with(self, blocks=self.offload_overlap_blocks())  # until teardown
         if self.offload_hparam("no_decay_norm_and_bias"):
             assert isinstance(self, torch.nn.Module)
             split_groups_added_later(optimizer, self)
