@@ -276,6 +276,9 @@ class OffloadAdamW(torch.optim.AdamW):
         their parameters at once, and their submodules do not wait: fewer hooks. Under
         ``torch.compile`` each hook is a graph break, and a hook inside a block breaks the
         block's graph at every layer of a different shape; an FSDP2 unit already waits so.
+        Under ``torch.compile``, dynamo is made to check modules' hooks before it reuses code
+        compiled for them (``torch._dynamo.config.skip_nnmodule_hook_guards = False``); the
+        first time, what it compiled before is dropped (``torch._dynamo.reset()``).
 
         ``zero_grad()``, ``state_dict()``, ``load_state_dict()``, the next ``step()`` and
         ``module.state_dict()`` wait by themselves; call :meth:`wait_for_updates` before reading

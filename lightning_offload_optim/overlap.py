@@ -47,10 +47,9 @@ if TYPE_CHECKING:
 
 UNHOOKED_WARNING = (
     "OffloadAdamW: no forward hook of the overlapped module ran before the last two steps, so "
-    "they could not overlap a forward pass (each waited for its own updates). If the module was "
-    "run under torch.compile before overlap_with(), the compiled code does not call hooks added "
-    "since: call overlap_with() first (the mixin does, in configure_optimizers), or "
-    "torch._dynamo.reset() after it."
+    "they could not overlap a forward pass (each waited for its own updates). Is the module "
+    "given to overlap_with() the one training calls, and called as module(x), not "
+    "module.forward(x)?"
 )
 
 
@@ -99,6 +98,7 @@ class ForwardOverlap:
         #: Per FSDP2 unit (by id), the parameters its all-gather reads.
         self._unit_params: dict[int, list[Tensor]] = {}
         blocks = _check_blocks(module, blocks)
+        _guard_on_module_hooks()
         covered: set[int] = set()  # modules whose parameters a block's or unit's hook waits for
         for child in module.modules():  # parents first
             unit = child if _is_fsdp2_unit(child) else None
@@ -276,10 +276,9 @@ class _ReadWatch(TorchFunctionMode):
     as ``zero_grad`` and Lightning's ``toggle_optimizer`` do). The mode is on a thread's stack
     while that thread's watched passes run (``begin``/``end`` nest per thread).
 
-    ``__torch_function__`` is never traced (``torch.compiler.disable``): where the model is
-    ``torch.compile``'d, the watched passes then run eagerly (nothing is compiled before the
-    first step) and compilation starts with the next pass. Traced, the mode's notes would be
-    replayed as they were when traced, and with dynamic shapes tracing it fails outright.
+    Under ``torch.compile`` dynamo traces this mode into the watched passes' graphs (their
+    notes are side effects, replayed by each run of the graph), but never compiles
+    ``__torch_function__`` as a frame of its own (:func:`_never_a_compiled_frame`).
     """
 
     def __init__(self, overlap: ForwardOverlap) -> None:
@@ -288,7 +287,6 @@ class _ReadWatch(TorchFunctionMode):
         self._overlap = weakref.ref(overlap)
         self._depth = threading.local()
 
-    @torch.compiler.disable
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
@@ -322,8 +320,40 @@ class _ReadWatch(TorchFunctionMode):
             _remove_mode(self)
 
 
+def _never_a_compiled_frame(function: Callable[..., Any]) -> None:
+    """Run ``function`` (and what it calls) eagerly whenever it is called from eager code under
+    ``torch.compile``, while letting dynamo inline it where it traces a caller. Called from eager
+    code between graphs, dynamo would compile the watch's ``__torch_function__`` as a frame of
+    its own, once per op, with the ops' integer arguments soon made symbolic, which fails
+    (``NYI SymInt equality``); with it never traced, each op a graph break, dynamo gives up on
+    whole frames for good (a graph break at a Python operator cannot be resumed from). Dynamo's
+    private API; where a torch lacks it, nothing is done."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return
+    strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    set_code_exec_strategy(function.__code__, strategy)
+
+
+_never_a_compiled_frame(_ReadWatch.__torch_function__)
+
 #: Properties whose value is a view of the tensor's data; other properties are metadata.
 _VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+
+
+def _guard_on_module_hooks() -> None:
+    """Make dynamo check, before it reuses code compiled for a module, that the module's hooks
+    are as they were when compiled. By default (``skip_nnmodule_hook_guards``) it does not, and
+    code compiled for a module without the overlap's hooks (this one before ``overlap_with``, or
+    another instance of its class, a reference or a teacher) would run without them: its reads
+    unordered. Code compiled before without that check is dropped."""
+    import torch._dynamo
+
+    if torch._dynamo.config.skip_nnmodule_hook_guards:
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
 
 
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
