@@ -272,13 +272,14 @@ class OffloadAdamW(torch.optim.AdamW):
         overlaps them: each submodule's forward waits (on the device) only for its own
         parameters. Results are bit-identical to an ordinary step.
 
-        ``blocks`` (submodules of ``module``, such as a transformer's layers) wait for all of
-        their parameters at once, and their submodules do not wait: fewer hooks. Under
-        ``torch.compile`` each hook is a graph break, and a hook inside a block breaks the
-        block's graph at every layer of a different shape; an FSDP2 unit already waits so.
-        Under ``torch.compile``, dynamo is made to check modules' hooks before it reuses code
-        compiled for them (``torch._dynamo.config.skip_nnmodule_hook_guards = False``); the
-        first time, what it compiled before is dropped (``torch._dynamo.reset()``).
+        ``blocks`` (submodules of ``module`` with a forward of their own, such as a
+        transformer's layers) wait for all of their parameters at once; the modules inside a
+        block then wait only when called outside its forward. Under ``torch.compile`` every
+        wait is a graph break, so fewer waits mean fewer graphs. An FSDP2 unit already waits so.
+        For ``torch.compile``, this also makes dynamo check modules' hooks before it reuses code
+        compiled for them, in the whole process and for good
+        (``torch._dynamo.config.skip_nnmodule_hook_guards = False``), and the first time drops
+        what it compiled before (``torch._dynamo.reset_code_caches()``).
 
         ``zero_grad()``, ``state_dict()``, ``load_state_dict()``, the next ``step()`` and
         ``module.state_dict()`` wait by themselves; call :meth:`wait_for_updates` before reading

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from lightning_offload_optim.pipeline import StagingPipeline
 
 
-UNHOOKED_WARNING = (
+_UNHOOKED_WARNING = (
     "OffloadAdamW: no forward hook of the overlapped module ran before the last two steps, so "
     "they could not overlap a forward pass (each waited for its own updates). Is the module "
     "given to overlap_with() the one training calls, and called as module(x), not "
@@ -99,23 +99,26 @@ class ForwardOverlap:
         self._unit_params: dict[int, list[Tensor]] = {}
         blocks = _check_blocks(module, blocks)
         _guard_on_module_hooks()
-        covered: set[int] = set()  # modules whose parameters a block's or unit's hook waits for
+        in_units: set[int] = set()  # modules inside FSDP2 units: the unit's hook waits for them
+        in_blocks: dict[int, _BlockRun] = {}  # modules inside blocks: their block's run
         for child in module.modules():  # parents first
-            unit = child if _is_fsdp2_unit(child) else None
-            if unit is not None:
+            if _is_fsdp2_unit(child):
                 params = self._unit_params[id(child)] = _unit_parameters(child)
-            elif id(child) in covered:
+                in_units.update(id(m) for m in child.modules())
+                self._hook_forward(
+                    child, _eager(functools.partial(self._before_forward, params, child))
+                )
+            elif id(child) in in_units:
                 continue
+            elif id(child) in in_blocks:
+                self._hook_inside_block(child, in_blocks[id(child)])
             elif id(child) in blocks:
-                params = _covered_parameters([child])
-            else:
-                params = list(child.parameters(recurse=False))
-            if unit is not None or id(child) in blocks:
-                covered.update(id(m) for m in child.modules())
-            if params:
-                hook = _eager(functools.partial(self._before_forward, params, unit))
-                self._handles.append(
-                    child.register_forward_pre_hook(lambda _m, _a, hook=hook: hook(), prepend=True)
+                run = _BlockRun()
+                in_blocks.update((id(m), run) for m in child.modules() if m is not child)
+                self._hook_block(child, run)
+            elif params := list(child.parameters(recurse=False)):
+                self._hook_forward(
+                    child, _eager(functools.partial(self._before_forward, params, None))
                 )
         self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
         self._hook_gradients(module.parameters())
@@ -125,6 +128,37 @@ class ForwardOverlap:
         self._handles.append(module.register_forward_hook(lambda *_: after_forward()))
         self._handles.append(module.register_forward_pre_hook(lambda *_: begin()))
         self._handles.append(module.register_forward_hook(lambda *_: end(), always_call=True))
+
+    def _hook_forward(self, module: nn.Module, hook: Callable[[], None]) -> None:
+        """Run ``hook`` before ``module``'s forward, ahead of its other pre-hooks (FSDP2's)."""
+        self._handles.append(module.register_forward_pre_hook(lambda _m, _a: hook(), prepend=True))
+
+    def _hook_block(self, block: nn.Module, run: _BlockRun) -> None:
+        """A block waits for all of its parameters (less those of FSDP2 units in it) and counts
+        its running forward passes, during which its submodules need not wait."""
+        wait = functools.partial(self._before_forward, _subtree_parameters([block]), None)
+
+        def enter() -> None:
+            run.running += 1
+            wait()
+
+        def leave() -> None:
+            run.running -= 1
+
+        self._hook_forward(block, _eager(enter))
+        self._handles.append(
+            block.register_forward_hook(_eager(lambda *_: leave()), always_call=True)
+        )
+
+    def _hook_inside_block(self, module: nn.Module, run: _BlockRun) -> None:
+        """A module inside a block waits for its own parameters only when called outside the
+        block's forward (between a step and the next forward, or before its block in a pass).
+        The check is traced under ``torch.compile`` (a guard on ``run.running``): inside the
+        block's compiled forward it is no graph break."""
+        params = list(module.parameters(recurse=False))
+        if params:
+            wait = _eager(functools.partial(self._before_forward, params, None))
+            self._hook_forward(module, functools.partial(_unless_running, run, wait))
 
     def _after_forward(self) -> None:
         prefetch = self._prefetch() if self._prefetch is not None else None
@@ -193,7 +227,7 @@ class ForwardOverlap:
         if not reached:  # no forward pass seen: nothing is known to wait later
             self._unhooked_steps += 1
             if self._unhooked_steps == 2:
-                warnings.warn(UNHOOKED_WARNING, stacklevel=5)
+                warnings.warn(_UNHOOKED_WARNING, stacklevel=5)
             self.wait_all()
             return
         self._unhooked_steps = 0
@@ -320,24 +354,28 @@ class _ReadWatch(TorchFunctionMode):
             _remove_mode(self)
 
 
-def _never_a_compiled_frame(function: Callable[..., Any]) -> None:
+def _never_a_compiled_frame(function: Callable[..., Any]) -> bool:
     """Run ``function`` (and what it calls) eagerly whenever it is called from eager code under
     ``torch.compile``, while letting dynamo inline it where it traces a caller. Called from eager
     code between graphs, dynamo would compile the watch's ``__torch_function__`` as a frame of
     its own, once per op, with the ops' integer arguments soon made symbolic, which fails
     (``NYI SymInt equality``); with it never traced, each op a graph break, dynamo gives up on
     whole frames for good (a graph break at a Python operator cannot be resumed from). Dynamo's
-    private API; where a torch lacks it, nothing is done."""
+    private API; False where a torch lacks it."""
     try:
         from torch._C._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:
-        return
-    strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-    set_code_exec_strategy(function.__code__, strategy)
+
+        strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        set_code_exec_strategy(function.__code__, strategy)
+    except (ImportError, TypeError, AttributeError):  # torch < 2.7 has none of these
+        return False
+    return True
 
 
-_never_a_compiled_frame(_ReadWatch.__torch_function__)
+if not _never_a_compiled_frame(_ReadWatch.__torch_function__):
+    # Never traced then: frames may run eagerly, but compiling does not fail.
+    _ReadWatch.__torch_function__ = torch.compiler.disable(_ReadWatch.__torch_function__)  # type: ignore[method-assign]
 
 #: Properties whose value is a view of the tensor's data; other properties are metadata.
 _VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
@@ -353,7 +391,7 @@ def _guard_on_module_hooks() -> None:
 
     if torch._dynamo.config.skip_nnmodule_hook_guards:
         torch._dynamo.config.skip_nnmodule_hook_guards = False
-        torch._dynamo.reset()
+        torch._dynamo.reset_code_caches()
 
 
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -412,15 +450,40 @@ def _all_gather_streams(unit: nn.Module) -> tuple[list[Any] | None, list[nn.Modu
     return [getattr(context, n) for n in names], prefetched
 
 
+class _BlockRun:
+    """How many forward passes of a block are running."""
+
+    def __init__(self) -> None:
+        self.running = 0
+
+
+def _unless_running(run: _BlockRun, wait: Callable[[], None]) -> None:
+    if not run.running:
+        wait()
+
+
 def _check_blocks(module: nn.Module, blocks: Iterable[nn.Module]) -> set[int]:
-    """The ids of ``blocks``, each a submodule of ``module``."""
-    inside = {id(m) for m in module.modules()}
+    """The ids of ``blocks``: submodules of ``module`` (not itself) that run a forward of their
+    own (a container such as a ``ModuleList`` never runs, so nothing in it would wait)."""
+    if not hasattr(blocks, "__iter__"):
+        raise TypeError(
+            f"overlap_with: blocks must be an iterable of modules (such as model.layers); "
+            f"got {type(blocks).__name__}"
+        )
+    inside = {id(m) for m in module.modules() if m is not module}
     ids = set()
     for block in blocks:
         if not isinstance(block, nn.Module) or id(block) not in inside:
             raise ValueError(
                 f"overlap_with: blocks must be submodules of the overlapped "
-                f"{type(module).__name__}; got {type(block).__name__}"
+                f"{type(module).__name__} (not the module itself); got a "
+                f"{type(block).__name__} that is not one"
+            )
+        # Not type(block).forward: torch.compile's wrapper sets its forward on the instance.
+        if getattr(block.forward, "__func__", None) is nn.Module.forward:
+            raise ValueError(
+                f"overlap_with: a block must run a forward of its own; {type(block).__name__} "
+                f"has none (pass the modules it holds)"
             )
         ids.add(id(block))
     return ids
@@ -434,10 +497,10 @@ def _unit_parameters(unit: nn.Module) -> list[Tensor]:
         group = list(unit._get_fsdp_state()._modules)  # type: ignore[operator]
     except AttributeError:
         group = [unit]
-    return _covered_parameters(group)
+    return _subtree_parameters(group)
 
 
-def _covered_parameters(group: list[nn.Module]) -> list[Tensor]:
+def _subtree_parameters(group: list[nn.Module]) -> list[Tensor]:
     """The parameters of the subtrees of ``group``'s modules, less those of FSDP2 units nested
     in them (whose own hooks wait for theirs)."""
     members = {id(m) for m in group}

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -153,6 +154,8 @@ class _Recorder(TorchDispatchMode):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if any(isinstance(t, FakeTensor) for t in _tensors((args, kwargs))):
+            return out  # tracing (FSDP2's hooks trace some ops even with the compile ignored)
         # An op of plain tensors may return a wrapper (a collective's result): its inner
         # tensor was recorded as the op's output.
         plain = tree_map(lambda v: None if is_traceable_wrapper_subclass(v) else v, out)

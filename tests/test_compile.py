@@ -28,9 +28,11 @@ RESIDENT_IDS = ["offloaded", "resident-0.5"]
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles anew: no graph cached by another test's models."""
+def fresh_dynamo(monkeypatch):
+    """Each test compiles anew (no graph cached by another test's models), with dynamo's
+    default of not checking module hooks, which the first ``overlap_with`` turns off."""
     torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
     yield
     torch._dynamo.reset()
 
@@ -185,9 +187,10 @@ def test_compiled_lightning_module_trains_as_torch(tmp_path, stream_order, resid
     assert_same(list(offload.parameters()), list(reference.parameters()))
     assert at_end.overlap.early == {id(offload.net[3].weight)}  # the watch saw the penalty
     assert not getattr(offload.training_step, "_offload_watch", False)
-    assert offload.training_step is not PenalisedHead.training_step.__get__(offload)
-    # The network: one hook for it as a block, else one per module with parameters.
-    assert at_end.hooks == ([1, 0, 0, 0, 0] if blocks else [0, 1, 1, 0, 1])
+    # Lightning's compiled training_step, given back by the watch
+    assert hasattr(vars(offload)["training_step"], "_torchdynamo_orig_callable")
+    # The network has a hook of its own only as a block (it has no parameters of its own).
+    assert at_end.hooks[0] == (1 if blocks else 0)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -195,13 +198,17 @@ def test_random_scenario_compiled_matches_torch(stream_order, seed):
     """``tests/test_randomized.py``'s scenarios with the training forward passes compiled:
     layers used late and in shuffled orders (recompiles), evaluation and state-dict reads and
     loads between steps."""
-    run_scenario(seed, torch.device("cpu"), compiled=True)
+    recorder = Recorder()
+    run_scenario(seed, torch.device("cpu"), compiled=recorder)
+    assert recorder.runs
     stream_order.expect_none()
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_scenario_compiled_with_fsdp2_matches_torch(stream_order, mesh, seed):
-    run_scenario(seed, torch.device("cpu"), mesh, compiled=True)
+    """The same under FSDP2. Dynamo compiles little or nothing of these (as without the
+    overlap: FSDP2's own hooks break the graph in the layer loop), but it goes through them."""
+    run_scenario(seed, torch.device("cpu"), mesh, compiled=Recorder())
     stream_order.expect_none()
 
 
@@ -252,26 +259,28 @@ def test_an_overlap_whose_hooks_never_run_warns(stream_order):
     assert_same(list(model.parameters()), list(twin.parameters()))
 
 
-@pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per-block"])
-def test_compiled_model_with_blocks_steps_as_torch(stream_order, per_block):
-    """``overlap_with(model, blocks=...)`` under ``torch.compile`` of the model or of each
-    block: a block called twice, a head tied to the embedding. (How many graphs that saves
-    depends on the torch version: ``benchmarks/compile_overhead.py``.)"""
+@pytest.mark.parametrize("compiled", ["model", "each-block", "wrapped-blocks"])
+def test_compiled_model_with_blocks_steps_as_torch(stream_order, compiled):
+    """``overlap_with(model, blocks=...)`` under ``torch.compile`` of the model, of each block
+    in place (``block.compile()``), or of each block wrapped (``torch.compile(block)`` in its
+    place, given as the blocks): a block called twice, a head tied to the embedding."""
     from test_overlap_blocks import Tower
 
     model, twin = Tower(), Tower()
+    recorder = Recorder()
+    if compiled == "wrapped-blocks":
+        model.blocks = nn.ModuleList(torch.compile(b, backend=recorder) for b in model.blocks)
     ours, theirs = overlapped_pair(model, twin, lr=0.01)
     ours.overlap_with(model, blocks=model.blocks)
-    recorder = Recorder()
-    if per_block:
+    if compiled == "each-block":
         for block in model.blocks:
             block.compile(backend=recorder)
-    compiled = model if per_block else torch.compile(model, backend=recorder)
+    net = torch.compile(model, backend=recorder) if compiled == "model" else model
     generator = torch.Generator().manual_seed(5)
     for _ in range(4):
         tokens = torch.randint(0, 10, (6,), generator=generator)
-        for net, optimizer in ((compiled, ours), (twin, theirs)):
-            net(tokens).backward()
+        for forward, optimizer in ((net, ours), (twin, theirs)):
+            forward(tokens).backward()
             optimizer.step()
             optimizer.zero_grad()
     recorder.assert_no_host_state(stream_order)

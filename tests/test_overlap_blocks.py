@@ -4,11 +4,15 @@ stream-ordering checker, with the staged pipeline on the CPU."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_overlapped_alike, overlapped_pair
 from torch import nn
+
+from lightning_offload_optim.overlap import ForwardOverlap
 
 RESIDENT = [None, 0.5]
 RESIDENT_IDS = ["offloaded", "resident-0.5"]
@@ -66,23 +70,80 @@ def test_blocks_wait_for_all_of_their_parameters(stream_order, resident):
     assert_overlapped_alike(stream_order, ours, model, twin)
 
 
-def test_submodules_of_blocks_do_not_wait(stream_order):
-    """One hook per block: under ``torch.compile`` each hook is a graph break."""
+class Prelude(Tower):
+    """From the second pass on, the forward runs a block's norm before the blocks (a path the
+    watch, which stops at the first step, never saw)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.passes = getattr(self, "passes", 0) + 1
+        x = self.embed(tokens)
+        if self.passes > 1:
+            x = self.blocks[2].norm(x)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(F.linear(self.norm(x), self.embed.weight), tokens)
+
+
+def test_a_blocks_submodule_called_on_its_own_waits(stream_order):
+    """Outside its block's forward, a submodule waits for its own parameters: called before its
+    block in a pass, and in an evaluation between a step and the next forward."""
+    model, twin = Prelude(), Prelude()
+    ours, theirs = overlapped_pair(model, twin, lr=0.01)
+    ours.overlap_with(model, blocks=model.blocks)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 8, generator=generator)
+    for _ in range(4):
+        tokens = torch.randint(0, 10, (6,), generator=generator)
+        for net, optimizer in ((model, ours), (twin, theirs)):
+            net(tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                net.blocks[1].up(x)
+    assert_overlapped_alike(stream_order, ours, model, twin)
+
+
+def test_inside_a_blocks_forward_only_the_block_waits(stream_order, monkeypatch):
+    """One wait per block per pass (each a graph break under ``torch.compile``), none for the
+    modules in it; a module per wait without ``blocks``."""
+    waits = []
+    real = ForwardOverlap._before_forward
+
+    def counted(self: ForwardOverlap, *args: Any) -> None:
+        waits.append(args)
+        real(self, *args)
+
+    monkeypatch.setattr(ForwardOverlap, "_before_forward", counted)
     model = Tower()
     ours, _ = overlapped_pair(model, Tower(), lr=0.01)
-    ours.overlap_with(model, blocks=model.blocks)
-    for block in model.blocks:
-        assert len(block._forward_pre_hooks) == 1
-        assert all(not m._forward_pre_hooks for m in block.modules() if m is not block)
-    assert len(model.embed._forward_pre_hooks) == 1  # outside the blocks: as before
+    for blocks, expected in (((), 18), (model.blocks, 6)):
+        ours.overlap_with(model, blocks=blocks)
+        waits.clear()
+        model(torch.arange(6)).backward()
+        ours.step()
+        ours.zero_grad()
+        # embed, norm and, per block call (4: the last block twice), the block or its 4 modules
+        # with parameters (the block itself, norm, up, down)
+        assert len(waits) == expected
+    ours.wait_for_updates()
 
 
-def test_blocks_outside_the_module_are_refused_and_the_overlap_kept(stream_order):
+@pytest.mark.parametrize(
+    ("blocks", "error", "match"),
+    [
+        (lambda m: [nn.Linear(2, 2)], ValueError, "blocks must be submodules of the overlapped"),
+        (lambda m: [m], ValueError, "not the module itself"),
+        (lambda m: [m.blocks], ValueError, "ModuleList has none .pass the modules it holds"),
+        (lambda m: m.blocks[0], TypeError, "blocks must be an iterable of modules"),
+    ],
+    ids=["outside", "the-module", "container", "not-iterable"],
+)
+def test_bad_blocks_are_refused_and_the_overlap_kept(stream_order, blocks, error, match):
     model, twin = Tower(), Tower()
     ours, theirs = overlapped_pair(model, twin, lr=0.01)
     overlap = ours._overlap
-    with pytest.raises(ValueError, match="blocks must be submodules of the overlapped Tower"):
-        ours.overlap_with(model, blocks=[nn.Linear(2, 2)])
+    with pytest.raises(error, match=match):
+        ours.overlap_with(model, blocks=blocks(model))
     assert ours._overlapping() is overlap
     train([(model, ours), (twin, theirs)], steps=3)
     assert_overlapped_alike(stream_order, ours, model, twin)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -187,12 +188,13 @@ def test_random_scenario_matches_torch_on_cuda(seed):
 
 
 def run_scenario(
-    seed: int, device: torch.device, mesh: DeviceMesh | None = None, compiled: bool = False
+    seed: int, device: torch.device, mesh: DeviceMesh | None = None, compiled: Any = None
 ) -> None:
     """The scenario ``seed`` draws, with OffloadAdamW and the reference; asserts that parameters
     and state end bit-identical. On the CPU the pipeline is forced to stage. With ``mesh``, both
-    models are sharded with FSDP2 over it. With ``compiled``, the training forward passes run
-    ``torch.compile(model, backend="aot_eager")`` (the reference steps on their gradients)."""
+    models are sharded with FSDP2 over it. With ``compiled`` (a backend), the training forward
+    passes run ``torch.compile(model, backend=compiled)`` (the reference steps on their
+    gradients)."""
     case = draw(seed)
     model = Layers(case["widths"], case["bf16"], seed).to(device)
     twin = Layers(case["widths"], case["bf16"], seed).to(device)
@@ -217,7 +219,7 @@ def run_scenario(
     if case["overlap"]:
         ours.overlap_with(model)
     reference = Reference(twin, copy.deepcopy(plan[0]), case["amsgrad"])
-    forward = torch.compile(model, backend="aot_eager") if compiled else model
+    forward = torch.compile(model, backend=compiled) if compiled is not None else model
     generator = torch.Generator().manual_seed(seed)
     for step in range(STEPS):
         for group in plan.get(step, []) if step else []:
@@ -225,7 +227,7 @@ def run_scenario(
             reference.optimizer.add_param_group(reference.group(group))
         x = torch.randn(5, 8, generator=generator).to(device)
         use = [i for i in case["orders"][step] if case["first_step"][i] <= step]
-        (forward(x, use) if compiled else model(x, use)).backward()
+        forward(x, use).backward()
         grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
         between(case["before_step"][step], model, ours, reference)
         ours.step()
