@@ -105,9 +105,7 @@ class ForwardOverlap:
             if _is_fsdp2_unit(child):
                 params = self._unit_params[id(child)] = _unit_parameters(child)
                 in_units.update(id(m) for m in child.modules())
-                self._hook_forward(
-                    child, _eager(functools.partial(self._before_forward, params, child))
-                )
+                self._hook_forward(child, self._waits_for(params, child))
             elif id(child) in in_units:
                 continue
             elif id(child) in in_blocks:
@@ -117,9 +115,7 @@ class ForwardOverlap:
                 in_blocks.update((id(m), run) for m in child.modules() if m is not child)
                 self._hook_block(child, run)
             elif params := list(child.parameters(recurse=False)):
-                self._hook_forward(
-                    child, _eager(functools.partial(self._before_forward, params, None))
-                )
+                self._hook_forward(child, self._waits_for(params))
         self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
         self._hook_gradients(module.parameters())
         after_forward, begin, end = map(
@@ -128,6 +124,10 @@ class ForwardOverlap:
         self._handles.append(module.register_forward_hook(lambda *_: after_forward()))
         self._handles.append(module.register_forward_pre_hook(lambda *_: begin()))
         self._handles.append(module.register_forward_hook(lambda *_: end(), always_call=True))
+
+    def _waits_for(self, params: list[Tensor], unit: nn.Module | None = None) -> Callable[[], None]:
+        """:meth:`_before_forward` for ``params``, run as Python under ``torch.compile``."""
+        return _eager(functools.partial(self._before_forward, params, unit))
 
     def _hook_forward(self, module: nn.Module, hook: Callable[[], None]) -> None:
         """Run ``hook`` before ``module``'s forward, ahead of its other pre-hooks (FSDP2's)."""
@@ -142,13 +142,11 @@ class ForwardOverlap:
             run.running += 1
             wait()
 
-        def leave() -> None:
+        def leave(*_: Any) -> None:
             run.running -= 1
 
-        self._hook_forward(block, _eager(enter))
-        self._handles.append(
-            block.register_forward_hook(_eager(lambda *_: leave()), always_call=True)
-        )
+        self._hook_forward(block, _eager(enter))  # the count too: traced, a change would lag
+        self._handles.append(block.register_forward_hook(_eager(leave), always_call=True))
 
     def _hook_inside_block(self, module: nn.Module, run: _BlockRun) -> None:
         """A module inside a block waits for its own parameters only when called outside the
@@ -157,8 +155,9 @@ class ForwardOverlap:
         block's compiled forward it is no graph break."""
         params = list(module.parameters(recurse=False))
         if params:
-            wait = _eager(functools.partial(self._before_forward, params, None))
-            self._hook_forward(module, functools.partial(_unless_running, run, wait))
+            self._hook_forward(
+                module, functools.partial(_unless_running, run, self._waits_for(params))
+            )
 
     def _after_forward(self) -> None:
         prefetch = self._prefetch() if self._prefetch is not None else None
@@ -245,7 +244,7 @@ class ForwardOverlap:
         for param in params:
             if param.requires_grad and param not in self._gradient_hooked:
                 self._gradient_hooked[param] = True
-                hook = _eager(functools.partial(self._before_gradient))
+                hook = _eager(self._before_gradient)
                 hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
                 self._handles.append(param.register_hook(hook))
 
