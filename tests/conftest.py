@@ -99,6 +99,22 @@ def step_together(
             optimizer.step()
 
 
+def train_alike(pairs: Sequence[tuple[Callable[[Any], torch.Tensor], Any]], inputs: Any) -> None:
+    """For each input, each (model, optimizer) pair in turn: forward (to a scalar loss),
+    backward, step and ``zero_grad``."""
+    for x in inputs:
+        for model, optimizer in pairs:
+            model(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def token_batches(count: int, seed: int) -> list[torch.Tensor]:
+    """``count`` batches of 6 tokens below 10."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 10, (6,), generator=generator) for _ in range(count)]
+
+
 def fail_on_call(
     monkeypatch: pytest.MonkeyPatch, target: object, name: str, number: int, error: BaseException
 ) -> None:

@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_overlapped_alike, assert_same, overlapped_pair
+from conftest import (
+    assert_overlapped_alike,
+    assert_same,
+    overlapped_pair,
+    token_batches,
+    train_alike,
+)
 from lightning_models import AtTrainEnd, TinyModel, trainer
 from test_randomized import run_scenario
 from torch import nn
@@ -109,15 +115,10 @@ def test_compiled_model_steps_as_torch(stream_order, resident, inside):
     wrap = nn.Sequential if inside else (lambda net: net)
     compiled = torch.compile(wrap(model), backend=recorder)
     compiled_twin = torch.compile(wrap(twin), backend="aot_eager")
-    generator = torch.Generator().manual_seed(5)
     compiled_by_step, runs_by_step = [], []
-    for _ in range(5):
-        tokens = torch.randint(0, 10, (6,), generator=generator)
+    for tokens in token_batches(5, seed=5):
         before = recorder.compiled, recorder.runs
-        for net, optimizer in ((compiled, ours), (compiled_twin, theirs)):
-            net(tokens).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        train_alike([(compiled, ours), (compiled_twin, theirs)], [tokens])
         compiled_by_step.append(recorder.compiled - before[0])
         runs_by_step.append(recorder.runs - before[1])
     assert min(runs_by_step) > 0, runs_by_step
@@ -228,13 +229,7 @@ def test_code_compiled_before_the_overlap_calls_its_hooks(stream_order, first):
     if first == "same-class-model":
         compiled = torch.compile(model, backend="aot_eager")
         torch.compile(TiedMLP(), backend="aot_eager")(tokens).backward()  # no hooks
-    generator = torch.Generator().manual_seed(5)
-    for _ in range(4):
-        tokens = torch.randint(0, 10, (6,), generator=generator)
-        for net, optimizer in ((compiled, ours), (twin, theirs)):
-            net(tokens).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    train_alike([(compiled, ours), (twin, theirs)], token_batches(4, seed=5))
     assert ours._overlap.pending  # the hooks ran: the steps overlap
     stream_order.expect_none()
     ours.wait_for_updates()
@@ -247,14 +242,8 @@ def test_an_overlap_whose_hooks_never_run_warns(stream_order):
     model, twin = TiedMLP(), TiedMLP()
     ours, theirs = overlapped_pair(model, twin, lr=0.01)
     ours.overlap_with(nn.Linear(2, 2))
-    generator = torch.Generator().manual_seed(5)
     with pytest.warns(UserWarning, match="no forward hook of the overlapped module ran"):
-        for _ in range(3):
-            tokens = torch.randint(0, 10, (6,), generator=generator)
-            for net, optimizer in ((model, ours), (twin, theirs)):
-                net(tokens).backward()
-                optimizer.step()
-                optimizer.zero_grad()
+        train_alike([(model, ours), (twin, theirs)], token_batches(3, seed=5))
     stream_order.expect_none()
     assert_same(list(model.parameters()), list(twin.parameters()))
 
@@ -276,13 +265,7 @@ def test_compiled_model_with_blocks_steps_as_torch(stream_order, compiled):
         for block in model.blocks:
             block.compile(backend=recorder)
     net = torch.compile(model, backend=recorder) if compiled == "model" else model
-    generator = torch.Generator().manual_seed(5)
-    for _ in range(4):
-        tokens = torch.randint(0, 10, (6,), generator=generator)
-        for forward, optimizer in ((net, ours), (twin, theirs)):
-            forward(tokens).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    train_alike([(net, ours), (twin, theirs)], token_batches(4, seed=5))
     recorder.assert_no_host_state(stream_order)
     assert ours._overlap.early == set()
     assert_overlapped_alike(stream_order, ours, model, twin)
@@ -327,12 +310,8 @@ def test_parameter_free_ops_run_compiled_after_the_first_step(stream_order, per_
     compiled = model if per_block else torch.compile(model, backend=recorder)
     generator = torch.Generator().manual_seed(5)
     for _ in range(3):
-        recorder.ops_run.clear()
-        x = torch.randn(5, 8, generator=generator)
-        for net, optimizer in ((compiled, ours), (twin, theirs)):
-            net(x).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        recorder.ops_run.clear()  # the last step's are checked
+        train_alike([(compiled, ours), (twin, theirs)], [torch.randn(5, 8, generator=generator)])
     for op in ("mul", "tanh", "sin", "matmul", "cos", "exp"):
         assert recorder.ops_run.count(op) == 2, (op, recorder.ops_run)
     assert_overlapped_alike(stream_order, ours, model, twin)
@@ -360,10 +339,6 @@ def test_checkpointed_blocks_compiled_each_train_as_torch(stream_order):
         for block in net.blocks:
             block.compile(backend="aot_eager")
     generator = torch.Generator().manual_seed(5)
-    for _ in range(3):
-        x = torch.randn(5, 8, generator=generator)
-        for net, optimizer in ((model, ours), (twin, theirs)):
-            net(x).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    inputs = [torch.randn(5, 8, generator=generator) for _ in range(3)]
+    train_alike([(model, ours), (twin, theirs)], inputs)
     assert_overlapped_alike(stream_order, ours, model, twin)

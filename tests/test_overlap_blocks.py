@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_overlapped_alike, overlapped_pair
+from conftest import assert_overlapped_alike, overlapped_pair, token_batches, train_alike
 from torch import nn
 
 from lightning_offload_optim.overlap import ForwardOverlap
@@ -47,16 +47,6 @@ class Tower(nn.Module):
         return F.cross_entropy(F.linear(self.norm(x), self.embed.weight), tokens)
 
 
-def train(pairs, steps: int = 5) -> None:
-    generator = torch.Generator().manual_seed(3)
-    for _ in range(steps):
-        tokens = torch.randint(0, 10, (6,), generator=generator)
-        for model, optimizer in pairs:
-            model(tokens).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-
 @pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
 def test_blocks_wait_for_all_of_their_parameters(stream_order, resident):
     """Every block parameter is read in the block's forward, after its hook ran, so none is
@@ -65,7 +55,7 @@ def test_blocks_wait_for_all_of_their_parameters(stream_order, resident):
     model, twin = Tower(), Tower()
     ours, theirs = overlapped_pair(model, twin, lr=0.01, resident=resident)
     ours.overlap_with(model, blocks=model.blocks)
-    train([(model, ours), (twin, theirs)])
+    train_alike([(model, ours), (twin, theirs)], token_batches(5, seed=3))
     assert ours._overlap.early == set()
     assert_overlapped_alike(stream_order, ours, model, twin)
 
@@ -145,5 +135,5 @@ def test_bad_blocks_are_refused_and_the_overlap_kept(stream_order, blocks, error
     with pytest.raises(error, match=match):
         ours.overlap_with(model, blocks=blocks(model))
     assert ours._overlapping() is overlap
-    train([(model, ours), (twin, theirs)], steps=3)
+    train_alike([(model, ours), (twin, theirs)], token_batches(3, seed=3))
     assert_overlapped_alike(stream_order, ours, model, twin)

@@ -21,6 +21,7 @@ from conftest import (
     make_params,
     overlapped_pair,
     record_update_order,
+    train_alike,
 )
 from lightning_models import make_data, trainer
 from torch import nn
@@ -185,12 +186,8 @@ def test_a_weight_read_through_the_T_property_before_its_module(stream_order):
     model, reference = TiedTransposeProperty(), TiedTransposeProperty()
     opt, ref_opt = overlapped_pair(model, reference, lr=0.05)
     generator = torch.Generator().manual_seed(1)
-    for _ in range(4):
-        x = torch.randn(4, 16, generator=generator)
-        for net, o in ((model, opt), (reference, ref_opt)):
-            net(x).backward()
-            o.step()
-            o.zero_grad()
+    inputs = [torch.randn(4, 16, generator=generator) for _ in range(4)]
+    train_alike([(model, opt), (reference, ref_opt)], inputs)
     assert_overlapped_alike(stream_order, opt, model, reference)
 
 

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same, overlapped_pair, run_script
+from conftest import assert_same, overlapped_pair, run_script, token_batches, train_alike
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_models import make_data, torch_reference, trainer
 from torch import nn
@@ -653,13 +653,7 @@ def test_tied_weights_read_before_their_modules_run(stream_order, resident):
     """Plain PyTorch: the root's forward is watched until the first step."""
     model, twin = TiedReadFirst(), TiedReadFirst()
     ours, theirs = overlapped_pair(model, twin, lr=0.01, resident=resident)
-    generator = torch.Generator().manual_seed(5)
-    for _ in range(5):
-        tokens = torch.randint(0, 10, (6,), generator=generator)
-        for net, optimizer in ((model, ours), (twin, theirs)):
-            net(tokens).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    train_alike([(model, ours), (twin, theirs)], token_batches(5, seed=5))
     ours.wait_for_updates()
     stream_order.expect_none()
     assert_same(list(model.parameters()), list(twin.parameters()))
