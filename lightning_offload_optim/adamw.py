@@ -32,6 +32,7 @@ from lightning_offload_optim.host_state import (
     Slot,
     state_keys,
 )
+from lightning_offload_optim.interrupts import keyboard_interrupts_held
 from lightning_offload_optim.overlap import ForwardOverlap
 from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
 from lightning_offload_optim.resident import (
@@ -200,12 +201,14 @@ class OffloadAdamW(torch.optim.AdamW):
         All or nothing where it can be: hyperparameters of every group, gradients, parameter
         layouts, host and staging allocations and the step counts' copies to the device are all
         checked and made before the first parameter, moment or step count changes, so a step
-        that raises for any of these leaves model and optimizer exactly as they were. An
-        exception during the update itself (``KeyboardInterrupt``, an error raised by a kernel
-        or copy as it is queued) can leave some chunks updated and others not; that cannot be
-        undone cheaply, so the optimizer then refuses further ``step()`` and ``state_dict()``
-        calls with an error until a state dict is loaded. (A device-side fault surfaces later,
-        at some synchronisation, and usually leaves the CUDA context unusable.)
+        that raises for any of these leaves model and optimizer exactly as they were. A Ctrl-C
+        (SIGINT, in the main thread) during the update is raised when the update ends, so the
+        state can still be saved; a second one interrupts at once. An exception during the
+        update itself (that second Ctrl-C, an error raised by a kernel or copy as it is queued)
+        can leave some chunks updated and others not; that cannot be undone cheaply, so the
+        optimizer then refuses further ``step()`` and ``state_dict()`` calls with an error until
+        a state dict is loaded. (A device-side fault surfaces later, at some synchronisation,
+        and usually leaves the CUDA context unusable.)
         """
         loss = None
         if closure is not None:
@@ -240,29 +243,30 @@ class OffloadAdamW(torch.optim.AdamW):
         def update(chunk: Chunk, views: dict[str, Tensor]) -> None:
             self._update_chunk(chunk, views, active, device_steps, hyper)
 
-        # Everything is checked and allocated: from here on the update runs.
-        try:
-            if new_slots:
-                self._host.adopt(new_slots)
-                self._plans.clear()
-                for a in active:
-                    if a.param in new_slots:
-                        self._mark_offloaded(a.param, a.slot, a.step)
-            # A tensor increment: 4x faster than a Python scalar over many tensors on the CPU.
-            torch._foreach_add_(host_steps, torch.tensor(1.0), alpha=1.0)
-            self._pipeline.run(chunks, update, overlap=overlap is not None)
-        except BaseException as error:
-            self._interrupted = f"step() failed partway through its update ({_name(error)})"
-            self._pipeline.join_updates()
-            raise
-        if overlap is not None:
-            self._next_chunks = chunks  # the next step's first copies start during its backward
-            overlap.stepped(
-                (active[seg.index].param, event, chunk.arena.device)
-                for chunk, event in zip(chunks, self._pipeline.updated, strict=True)
-                if event is not None
-                for seg in chunk.segments
-            )
+        # Everything is checked and allocated: from here on the update runs (a Ctrl-C waits).
+        with keyboard_interrupts_held():
+            try:
+                if new_slots:
+                    self._host.adopt(new_slots)
+                    self._plans.clear()
+                    for a in active:
+                        if a.param in new_slots:
+                            self._mark_offloaded(a.param, a.slot, a.step)
+                # A tensor increment: 4x faster than a Python scalar over many tensors on the CPU.
+                torch._foreach_add_(host_steps, torch.tensor(1.0), alpha=1.0)
+                self._pipeline.run(chunks, update, overlap=overlap is not None)
+            except BaseException as error:
+                self._interrupted = f"step() failed partway through its update ({_name(error)})"
+                self._pipeline.join_updates()
+                raise
+            if overlap is not None:
+                self._next_chunks = chunks  # the next step's first copies start in its backward
+                overlap.stepped(
+                    (active[seg.index].param, event, chunk.arena.device)
+                    for chunk, event in zip(chunks, self._pipeline.updated, strict=True)
+                    if event is not None
+                    for seg in chunk.segments
+                )
         return loss
 
     def overlap_with(
@@ -645,13 +649,14 @@ class OffloadAdamW(torch.optim.AdamW):
                 for group in state_dict["param_groups"]
             ],
         }
-        with self._load_hooks_suspended():  # they run here, around the whole load
+        # Load hooks run here, around the whole load; a Ctrl-C waits for the load to end.
+        with keyboard_interrupts_held(), self._load_hooks_suspended():
             self._write_state(
                 matched, replace=True, then=partial(super().load_state_dict, stripped)
             )
-        self._interrupted = None
-        for group in self.param_groups:
-            _record_fused(group)
+            self._interrupted = None
+            for group in self.param_groups:
+                _record_fused(group)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
