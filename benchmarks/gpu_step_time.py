@@ -81,25 +81,29 @@ def make_params(total: int, dtype: torch.dtype, count: int = 24) -> list[torch.n
     return params
 
 
-def time_steps(opt: torch.optim.Optimizer, steps: int) -> tuple[float, int, int]:
-    """Median step time in ms, peak device memory in bytes over those steps, and the bytes
-    the last step copied one way (0 for torch's AdamW), after two untimed steps (the first
-    allocates; a resident share is chosen at the second). A step's time runs from the call,
-    with the device idle, until all of its work is done, copies back to the host included (they
-    run on streams of their own, which an event on the caller's stream would not wait for)."""
+def time_steps(opt: torch.optim.Optimizer, steps: int) -> tuple[float, float, int, int]:
+    """Median step time and median time until ``step()`` returns, in ms; peak device memory in
+    bytes over those steps; and the bytes the last step copied one way (0 for torch's AdamW),
+    after two untimed steps (the first allocates; a resident share is chosen at the second). A
+    step's time runs from the call, with the device idle, until all of its work is done, copies
+    back to the host included (they run on streams of their own, which an event on the caller's
+    stream would not wait for). The call returns before that unless a full CUDA launch queue
+    (about 1000 entries a stream) blocks it: then the next forward pass is queued late."""
     opt.step()
     opt.step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, calls = [], []
     for _ in range(steps):
         start = time.perf_counter()
         opt.step()
+        calls.append(1000 * (time.perf_counter() - start))
         torch.cuda.synchronize()
         times.append(1000 * (time.perf_counter() - start))
     record = getattr(opt, "last_step", None)
     moved = record.resolve().bytes_in if record is not None else 0
-    return statistics.median(times), torch.cuda.max_memory_allocated(), moved
+    peak = torch.cuda.max_memory_allocated()
+    return statistics.median(times), statistics.median(calls), peak, moved
 
 
 def main() -> None:
@@ -141,7 +145,7 @@ def main() -> None:
         for name, make in candidates.items():
             try:
                 opt = make(params)
-                ms, peak, moved_bytes = time_steps(opt, args.steps)
+                ms, call_ms, peak, moved_bytes = time_steps(opt, args.steps)
                 stats = getattr(opt, "memory_stats", None)  # pageable state times the slow path
                 pinned = stats()["pinned"] if stats is not None else ""
             except Exception:  # report, and measure the others
@@ -156,6 +160,7 @@ def main() -> None:
                 "optimizer": name,
                 "params": numel,
                 "ms": ms,
+                "call_ms": call_ms,
                 "peak_gib": peak / 2**30,
                 "pinned": pinned,
                 "bound_half_duplex_ms": half_duplex,
@@ -171,7 +176,8 @@ def main() -> None:
             }
             result["rows"].append(row)
             print(
-                f"{row['dtype']:9s} {name:34s} {ms:8.1f} ms  peak {peak / 2**30:6.2f} GiB"
+                f"{row['dtype']:9s} {name:34s} {ms:8.1f} ms (returns {call_ms:6.1f})"
+                f"  peak {peak / 2**30:6.2f} GiB"
                 f"  bound {full_duplex:.1f}-{half_duplex:.1f} ms, measured {measured:.1f} ms"
                 f" (x{ms / measured:.2f})"
             )
