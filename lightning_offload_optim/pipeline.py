@@ -374,10 +374,10 @@ class StagingPipeline:
         computed = streams.record(compute)
         with streams.on(streams.copy_out):
             streams.wait(streams.copy_out, computed)
-            with record.span(COPY_OUT, streams, streams.copy_out):
+            with record.span(COPY_OUT, streams, streams.copy_out) as copied:
                 for key, view in host.items():
                     view.copy_(staged[key], non_blocking=True)
-            free[number] = self._host_ready[device] = streams.record(streams.copy_out)
+            free[number] = self._host_ready[device] = copied.event
             chunk.arena.written_by(free[number])
         record.bytes_out += chunk.arena.state_bytes(chunk.numel)
         return computed
@@ -393,10 +393,10 @@ class StagingPipeline:
         host = chunk.host_views()
         with streams.on(streams.copy_in):
             streams.wait(streams.copy_in, free[number])  # the last copy-out from this buffer
-            with record.span(COPY_IN, streams, streams.copy_in):
+            with record.span(COPY_IN, streams, streams.copy_in) as copied:
                 for key, view in host.items():
                     staged[key].copy_(view, non_blocking=True)
-            loaded = streams.record(streams.copy_in)
+            loaded = copied.event
         record.bytes_in += chunk.arena.state_bytes(chunk.numel)
         return loaded
 
@@ -414,10 +414,10 @@ class StagingPipeline:
         ranges = chunk.arena.resident
         if not resident.valid:
             with streams.on(streams.copy_in):
-                with record.span(COPY_IN, streams, streams.copy_in):
+                with record.span(COPY_IN, streams, streams.copy_in) as copied:
                     for host, device in resident.pairs(chunk.arena):
                         device.copy_(host, non_blocking=True)
-                uploaded = streams.record(streams.copy_in)
+                uploaded = copied.event
                 streams.wait(compute, uploaded)
                 chunk.arena.read_by(uploaded)
             record.bytes_in += chunk.arena.state_bytes(ranges.numel)
@@ -441,10 +441,10 @@ class StagingPipeline:
             with streams.on(streams.copy_out):
                 streams.wait(streams.copy_out, streams.record(streams.update))
                 streams.wait(streams.copy_out, streams.record(caller))
-                with record.span(COPY_OUT, streams, streams.copy_out):
+                with record.span(COPY_OUT, streams, streams.copy_out) as copied:
                     for host, device in resident.pairs(arena):
                         host.copy_(device, non_blocking=True)
-                self._host_ready[arena.device] = streams.record(streams.copy_out)
+                self._host_ready[arena.device] = copied.event
                 arena.written_by(self._host_ready[arena.device])
             record.bytes_out += arena.state_bytes(arena.resident.numel)
             resident.dirty = False

@@ -32,6 +32,13 @@ class StepStats:
     bytes_out: int
 
 
+@dataclass
+class SpanEnd:
+    """The event after a span's work, set when the span ends (``None`` on the CPU)."""
+
+    event: torch.Event | None = None
+
+
 class StepRecord:
     """Collects spans of one step; turns into :class:`StepStats` once its events are done."""
 
@@ -45,16 +52,20 @@ class StepRecord:
     @contextlib.contextmanager
     def span(
         self, kind: str, streams: PipelineStreams, stream: torch.Stream | None
-    ) -> Iterator[None]:
-        """Time the work the block queues on ``stream`` (wall clock on the CPU)."""
+    ) -> Iterator[SpanEnd]:
+        """Time the work the block queues on ``stream`` (wall clock on the CPU). The event
+        that ends the span also marks that work for whatever must wait for it: a stream holds
+        only about a thousand queued operations before the host blocks, so none is spared."""
+        end = SpanEnd()
         if stream is None:
             start = time.perf_counter()
-            yield
+            yield end
             self._seconds[kind] += time.perf_counter() - start
             return
         begin = streams.record(stream, timing=True)
-        yield
-        self.add_span(kind, begin, streams.record(stream, timing=True))
+        yield end
+        end.event = streams.record(stream, timing=True)
+        self.add_span(kind, begin, end.event)
 
     def add_span(self, kind: str, begin: torch.Event | None, end: torch.Event | None) -> None:
         """Add a span whose ends were recorded elsewhere (a step starts and ends on two streams)."""

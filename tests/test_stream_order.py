@@ -36,8 +36,9 @@ def _is_call(node: ast.AST, owner: str | None, method: str) -> bool:
 
 
 def _ordering_targets(tree: ast.AST) -> list[ast.AST]:
-    """Statements that wait (``streams.wait``, ``event.synchronize()``) and data-ordering
-    ``streams.record`` calls (those without ``timing=True``)."""
+    """Statements that wait (``streams.wait``, ``event.synchronize()``), data-ordering
+    ``streams.record`` calls (those without ``timing=True``) and the ends of timed copies taken
+    as data-ordering events (``copied.event``)."""
     targets: list[ast.AST] = []
     for node in ast.walk(tree):
         waits = isinstance(node, ast.Expr) and (
@@ -46,7 +47,12 @@ def _ordering_targets(tree: ast.AST) -> list[ast.AST]:
         orders = _is_call(node, "streams", "record") and not any(
             k.arg == "timing" for k in node.keywords
         )
-        if waits or orders:
+        span_ends = (
+            isinstance(node, ast.Attribute)
+            and node.attr == "event"
+            and getattr(node.value, "id", None) == "copied"
+        )
+        if waits or orders or span_ends:
             targets.append(node)
     return targets
 
@@ -227,12 +233,13 @@ def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_harness_finds_every_ordering_step():
-    """Twelve waits, thirteen data-ordering events and two host waits today: a new one counts
-    too."""
+    """Twelve waits, thirteen data-ordering events (four of them the ends of timed copies)
+    and two host waits today: a new one counts too."""
     kinds = [label.split(": ", 1)[1].split("(")[0] for label, _ in MUTANTS]
     assert sorted(kinds) == (
-        ["event.synchronize", "loaded.synchronize"]
-        + ["streams.record"] * 13
+        ["copied.event"] * 4
+        + ["event.synchronize", "loaded.synchronize"]
+        + ["streams.record"] * 9
         + ["streams.wait"] * 12
     )
 
