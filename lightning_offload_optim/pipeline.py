@@ -343,9 +343,13 @@ class StagingPipeline:
         timed_on_device = False
         for device in staged:
             streams = self._streams[device]
-            if streams.is_async:  # ends with the last copy-out, or the last resident update
-                last = streams.copy_out if device in copied else computes[device]
-                record.add_span(STEP, begins[device], streams.record(last, timing=True))
+            if streams.is_async:  # ends after the last copy-out and the last resident update
+                end = (
+                    streams.timed_join(streams.copy_out, computes[device])
+                    if device in copied
+                    else streams.record(computes[device], timing=True)
+                )
+                record.add_span(STEP, begins[device], end)
                 timed_on_device = True
         if not timed_on_device:
             record.add_seconds(STEP, time.perf_counter() - started)

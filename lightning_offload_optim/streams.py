@@ -67,6 +67,12 @@ class PipelineStreams:
         event.record(stream)
         return event
 
+    def timed_join(self, stream: torch.Stream, other: torch.Stream) -> torch.Event | None:
+        """A timed event on ``stream`` after the work queued so far on it and on ``other``
+        (``stream`` waits for ``other`` from here on)."""
+        self.wait(stream, self.record(other))
+        return self.record(stream, timing=True)
+
     @staticmethod
     def wait(stream: torch.Stream | None, event: torch.Event | None) -> None:
         """Make ``stream`` wait for ``event`` on the device, without blocking the host."""

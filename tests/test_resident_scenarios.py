@@ -779,3 +779,18 @@ def test_state_dict_tensors_are_references_to_the_state_as_torch_s(stream_order,
     stream_order.expect_none()
     assert_same(params, reference)
     assert_same_state(ours, theirs)
+
+
+def test_the_step_span_ends_after_a_resident_update_queued_last(stream_order):
+    """The resident parameter lies after the staged one on the host, so its update is queued
+    after the last copy-out: the step's timed span must still end after it (the monitor's step
+    time would leave it out)."""
+    params = make_params([(640,), (7,)])
+    ours = staged(params, resident=8 * 7)
+    step_together([ours], [params], torch.Generator().manual_seed(0), 3)
+    assert resident_bytes(ours) == 8 * 7
+    chunks = next(iter(ours._plans.values()))
+    assert [chunk.resident for chunk in chunks][-1]  # the resident chunk comes last
+    [(_, _, end)] = [span for span in ours.last_step._events if span[0] == "step"]
+    for update in ours._pipeline.updated:
+        assert all(end.clock.get(k, -1) >= tick for k, tick in update.clock.items())
