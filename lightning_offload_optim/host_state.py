@@ -171,15 +171,21 @@ def registered_empty(
 
     The memory is an anonymous mapping of whole pages: no other allocation shares a registered
     page (registering a page twice fails), and the buffer's storage starts at the registered
-    address (torch's ``is_pinned()`` asks about the storage's start). Ranges of
-    :data:`MAX_REGISTRATION_BYTES` or more are registered in pieces. Returns the buffer and the
-    registered pointers; raises :class:`PinningError` naming the error (nothing stays
-    registered then).
+    address (torch's ``is_pinned()`` asks about the storage's start). Forked processes (a
+    DataLoader's workers, each epoch) do not inherit it: Linux copies every pinned page of a
+    private mapping into the child at ``fork()`` (since 5.9; before, the parent's next write
+    moved it off the page the device reads), which for gigabytes of state per worker would
+    exhaust the host. Ranges of :data:`MAX_REGISTRATION_BYTES` or more are registered in
+    pieces. Returns the buffer and the registered pointers; raises :class:`PinningError` naming
+    the error (nothing stays registered then).
     """
     nbytes = numel * dtype.itemsize
     rounded = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
     private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # not Windows
-    pages = torch.frombuffer(mmap.mmap(-1, rounded, **private), dtype=torch.uint8)
+    mapping = mmap.mmap(-1, rounded, **private)
+    if hasattr(mmap, "MADV_DONTFORK"):  # Linux
+        mapping.madvise(mmap.MADV_DONTFORK)
+    pages = torch.frombuffer(mapping, dtype=torch.uint8)
     registered: list[int] = []
     for offset in range(0, rounded, MAX_REGISTRATION_BYTES):
         pointer = pages.data_ptr() + offset

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import random
 import warnings
 
@@ -191,6 +192,25 @@ def test_registered_host_buffers_own_their_pages():
         assert 4 * numel <= nbytes == buffer.untyped_storage().nbytes() < 4 * numel + page
     ranges = sorted(registered)
     assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(ranges))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_pinned_buffers_are_not_inherited_by_forked_processes():
+    """A DataLoader's workers are forked, each epoch: Linux would copy every pinned page of the
+    state into each of them. The child must not have the mapping at all."""
+    from lightning_offload_optim import host_state
+
+    buffer, _ = host_state.registered_empty(10 * host_state.PAGE_SIZE, torch.uint8, lambda p, n: 0)
+    start = buffer.data_ptr()
+    child = os.fork()
+    if child == 0:  # the child only reads its own memory map, then leaves at once
+        with open("/proc/self/maps") as maps:
+            ranges = [[int(a, 16) for a in line.split()[0].split("-")] for line in maps]
+        os._exit(int(any(low <= start < high for low, high in ranges)))
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child has the state's pages"
+    buffer.fill_(1)  # the parent's mapping is unaffected
+    assert buffer.sum().item() == buffer.numel()
 
 
 def test_registration_in_pieces_and_clean_up_after_a_failure(monkeypatch):
