@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import sys
 import warnings
 import weakref
@@ -32,7 +33,7 @@ from lightning_offload_optim.host_state import (
     Slot,
     state_keys,
 )
-from lightning_offload_optim.interrupts import keyboard_interrupts_held
+from lightning_offload_optim.interrupts import deliver_sigint, keyboard_interrupts_held
 from lightning_offload_optim.overlap import ForwardOverlap
 from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
 from lightning_offload_optim.resident import (
@@ -164,6 +165,10 @@ class OffloadAdamW(torch.optim.AdamW):
         self._host = HostState(lambda device: pin and pipeline.stages(device))
         self._plans: OrderedDict[tuple[int, ...], list[Chunk]] = OrderedDict()
         self._interrupted: str | None = None
+        # Lightning's mixin has a Ctrl-C held in an update raised at the end of the batch,
+        # once Lightning has counted the step (a checkpoint then resumes exactly).
+        self._interrupts_after_batch = False
+        self._interrupt_pending = False
         self._overlap: ForwardOverlap | None = None
         self._overlap_finalizer: weakref.finalize | None = None
         self._resident_for: tuple = ()  # what the resident choice was made for
@@ -210,6 +215,8 @@ class OffloadAdamW(torch.optim.AdamW):
         a state dict is loaded. (A device-side fault surfaces later, at some synchronisation,
         and usually leaves the CUDA context unusable.)
         """
+        if self._take_held_interrupt():  # held for the end of a batch that did not come
+            deliver_sigint(signal.getsignal(signal.SIGINT))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -244,7 +251,7 @@ class OffloadAdamW(torch.optim.AdamW):
             self._update_chunk(chunk, views, active, device_steps, hyper)
 
         # Everything is checked and allocated: from here on the update runs (a Ctrl-C waits).
-        with keyboard_interrupts_held():
+        with keyboard_interrupts_held(deliver=not self._interrupts_after_batch) as held:
             try:
                 if new_slots:
                     self._host.adopt(new_slots)
@@ -255,19 +262,25 @@ class OffloadAdamW(torch.optim.AdamW):
                 # A tensor increment: 4x faster than a Python scalar over many tensors on the CPU.
                 torch._foreach_add_(host_steps, torch.tensor(1.0), alpha=1.0)
                 self._pipeline.run(chunks, update, overlap=overlap is not None)
+                if overlap is not None:
+                    self._next_chunks = chunks  # the next step's first copies start in backward
+                    overlap.stepped(
+                        (active[seg.index].param, event, chunk.arena.device)
+                        for chunk, event in zip(chunks, self._pipeline.updated, strict=True)
+                        if event is not None
+                        for seg in chunk.segments
+                    )
             except BaseException as error:
                 self._interrupted = f"step() failed partway through its update ({_name(error)})"
                 self._pipeline.join_updates()
                 raise
-            if overlap is not None:
-                self._next_chunks = chunks  # the next step's first copies start in its backward
-                overlap.stepped(
-                    (active[seg.index].param, event, chunk.arena.device)
-                    for chunk, event in zip(chunks, self._pipeline.updated, strict=True)
-                    if event is not None
-                    for seg in chunk.segments
-                )
+        self._interrupt_pending |= held.arrived and not held.delivered
         return loss
+
+    def _take_held_interrupt(self) -> bool:
+        """Whether a Ctrl-C held in an update waits to be delivered; it is left to the caller."""
+        pending, self._interrupt_pending = self._interrupt_pending, False
+        return pending
 
     def overlap_with(
         self, module: torch.nn.Module, blocks: Iterable[torch.nn.Module] = ()
@@ -711,25 +724,26 @@ class OffloadAdamW(torch.optim.AdamW):
             slots = self._host.allocate(requests)
             _copy_all(self._loaded_copies(matched, slots))
             copies = []
-        then()  # torch's own load first: it may still refuse, and it leaves the buffers alone
-        self._pipeline.host_written()  # resident state is reloaded from the host
-        try:
-            _copy_all(copies)
-        except BaseException as error:
-            self._interrupted = (
-                f"load_state_dict() failed partway through writing the state ({_name(error)})"
-            )
-            raise
-        if replace:
-            self._host.replace(slots)
-        else:
-            self._host.adopt(slots)
-        self._plans.clear()
-        self._next_chunks = []  # they may hold arenas just dropped (and their resident buffers)
-        for m in matched:
-            # A copy (steps advance in place); fused or capturable AdamW saves them on the device.
-            step = torch.as_tensor(m.entry["step"]).detach()
-            self._mark_offloaded(m.param, slots[m.param], step.to("cpu", torch.float32, copy=True))
+        with keyboard_interrupts_held():  # a Ctrl-C waits (load_state_dict holds it already)
+            then()  # torch's own load first: it may still refuse, and leaves the buffers alone
+            try:
+                self._pipeline.host_written()  # resident state is reloaded from the host
+                _copy_all(copies)
+                if replace:
+                    self._host.replace(slots)
+                else:
+                    self._host.adopt(slots)
+                self._plans.clear()
+                self._next_chunks = []  # they may hold arenas just dropped (and their buffers)
+                for m in matched:
+                    # A copy (steps advance in place); fused AdamW saves them on the device.
+                    step = torch.as_tensor(m.entry["step"]).detach()
+                    step = step.to("cpu", torch.float32, copy=True)
+                    self._mark_offloaded(m.param, slots[m.param], step)
+            except BaseException as error:
+                what = "load_state_dict()" if replace else "adopting state found in .state"
+                self._interrupted = f"{what} failed partway through writing it ({_name(error)})"
+                raise
 
     def _drop_stale_masters(self, matched: list[LoadedEntry]) -> None:
         """Take the master copy from the parameter where the loaded one is this optimizer's own

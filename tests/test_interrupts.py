@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import signal
 import threading
 
@@ -16,13 +17,14 @@ from conftest import (
     fail_on_call,
     make_params,
     overlapped_pair,
+    set_grads,
     step_together,
     train_alike,
 )
 from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
 from lightning_models import TinyModel, trainer
 
-from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim import OffloadAdamW, interrupts
 from lightning_offload_optim import adamw as adamw_module
 from lightning_offload_optim.interrupts import keyboard_interrupts_held
 
@@ -85,17 +87,25 @@ def test_ctrl_c_during_the_update_is_raised_after_it(monkeypatch, overlap):
     assert_same(list(model.parameters()), list(twin.parameters()))
 
 
-def test_a_second_ctrl_c_interrupts_at_once(monkeypatch):
+@pytest.mark.parametrize("later", [True, False], ids=["later", "same-press"])
+def test_a_second_ctrl_c_interrupts_at_once_unless_it_is_the_same_press(monkeypatch, later):
     """The user insists: the update stops between chunks, and the half-updated optimizer
-    refuses to step or save, as after any fault partway through."""
+    refuses to step or save, as after any fault partway through. A launcher that forwards the
+    terminal's signal to a process that also received it sends one press twice, at once."""
+    if later:
+        monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
     params = make_params()
     opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
     step_together([opt], [params], torch.Generator().manual_seed(0), 1)
     calls = sigint_on_call(monkeypatch, adamw_module, "adamw_update", {2, 3})
     with pytest.raises(KeyboardInterrupt):
         opt.step()
-    assert len(calls) == 3
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if not later:
+        assert len(calls) > 3
+        opt.state_dict()  # whole
+        return
+    assert len(calls) == 3
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match=r"failed partway through its update \(Keyboard"):
         opt.state_dict()
@@ -128,18 +138,65 @@ def test_ctrl_c_during_a_load_is_raised_after_it(monkeypatch):
     assert_same(params, reference)
 
 
-def test_a_held_ctrl_c_reaches_the_handler_it_was_meant_for_once():
+def test_ctrl_c_while_state_written_into_optimizer_state_is_adopted(monkeypatch):
+    """State put in ``optimizer.state`` (``ZeroRedundancyOptimizer``'s load, a hand edit) is
+    copied into host buffers when the next step starts; a Ctrl-C then stops that step before
+    its update, with the state whole, not refused."""
+    params = make_params()
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    generator = torch.Generator().manual_seed(0)
+    step_together([opt], [params], generator, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    reference = clone_params(params)
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    torch_opt.load_state_dict(copy.deepcopy(saved))
+    for index, param in enumerate(params):
+        opt.state[param] = {k: v.clone() for k, v in saved["state"][index].items()}
+    weights = clone_params(params)
+    set_grads([params, reference], generator)
+    calls = sigint_on_call(monkeypatch, torch.Tensor, "copy_", {2})
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert len(calls) > 2
+    monkeypatch.undo()
+    assert_same(params, weights)  # not updated
+    torch_opt.step()
+    opt.step()
+    assert_same(params, reference)
+
+
+def test_a_held_ctrl_c_reaches_the_handler_it_was_meant_for_once(monkeypatch):
     received = []
     signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     with keyboard_interrupts_held():
-        signal.raise_signal(signal.SIGINT)
+        with keyboard_interrupts_held():  # nested: the outer block holds
+            signal.raise_signal(signal.SIGINT)
         assert received == []
     assert received == [signal.SIGINT]
-    with keyboard_interrupts_held():
+    monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
+    with keyboard_interrupts_held(), keyboard_interrupts_held():
         signal.raise_signal(signal.SIGINT)
         signal.raise_signal(signal.SIGINT)  # the user insists: delivered at once
         assert received == [signal.SIGINT] * 2
     assert received == [signal.SIGINT] * 2
+
+
+def test_an_event_loop_hears_of_a_held_ctrl_c_once():
+    """asyncio's ``add_signal_handler`` reads the signals from the wakeup file descriptor:
+    sending the held one again would write it there twice."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    os.set_blocking(read, False)
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    previous = signal.set_wakeup_fd(write)
+    try:
+        with keyboard_interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.set_wakeup_fd(previous)
+    assert os.read(read, 100) == bytes([signal.SIGINT])
+    os.close(read)
+    os.close(write)
 
 
 def test_nothing_is_held_where_ctrl_c_is_ignored_or_outside_the_main_thread():
@@ -162,37 +219,84 @@ def test_nothing_is_held_where_ctrl_c_is_ignored_or_outside_the_main_thread():
     assert errors == []
 
 
-class CtrlCInStep(Callback):
-    """Ctrl-C in the second chunk update of the optimizer step that follows ``at_step`` steps."""
+class CtrlC(Callback):
+    """Ctrl-C in the second chunk update of the step that follows ``at`` steps (``where``
+    "step"), or in the callbacks' ``on_train_batch_end`` right after that step ("batch end")."""
 
-    def __init__(self, monkeypatch, at_step: int) -> None:
-        self.monkeypatch, self.at_step = monkeypatch, at_step
+    def __init__(self, monkeypatch, at: int, where: str) -> None:
+        self.monkeypatch, self.at, self.where = monkeypatch, at, where
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if trainer.global_step == self.at_step:
+        if self.where == "step" and trainer.global_step == self.at:
             sigint_on_call(self.monkeypatch, adamw_module, "adamw_update", {2})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.where == "batch end" and trainer.global_step == self.at + 1:
+            signal.raise_signal(signal.SIGINT)
+
+
+def interrupted_then_resumed(root, monkeypatch, model_kwargs, where) -> tuple[dict, TinyModel]:
+    """The checkpoint ``OnExceptionCheckpoint`` saves after a Ctrl-C after step 2 (of 6), and
+    the model resumed from it to the end."""
+    on_exception = OnExceptionCheckpoint(root / "ckpt", "interrupted")
+    callbacks = [CtrlC(monkeypatch, 2, where), on_exception]
+    with pytest.raises(SystemExit):  # Lightning exits after a KeyboardInterrupt
+        trainer(root, callbacks=callbacks, enable_checkpointing=True).fit(TinyModel(**model_kwargs))
+    monkeypatch.undo()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignored it from there
+    path = root / "ckpt" / "interrupted.ckpt"
+    resumed = TinyModel(**model_kwargs)
+    trainer(root / "resumed").fit(resumed, ckpt_path=path)
+    return torch.load(path, weights_only=False), resumed
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_ctrl_c_in_a_lightning_step_saves_a_whole_checkpoint(tmp_path, monkeypatch, overlap):
+def test_ctrl_c_in_a_lightning_step_saves_a_checkpoint_that_resumes_exactly(
+    tmp_path, monkeypatch, overlap
+):
     """Lightning's graceful shutdown runs ``OnExceptionCheckpoint``. Had the interrupt stopped
-    the update partway, the optimizer would refuse to be saved and no checkpoint be written; it
-    holds the step's weights and state, equal to torch's after as many steps."""
-    model = TinyModel(force_staging=True, overlap_step=overlap)
-    on_exception = OnExceptionCheckpoint(tmp_path / "ckpt", "interrupted")
-    callbacks = [CtrlCInStep(monkeypatch, 2), on_exception]
-    fit = trainer(tmp_path, max_steps=4, callbacks=callbacks, enable_checkpointing=True)
-    with pytest.raises(SystemExit):  # Lightning exits after a KeyboardInterrupt
-        fit.fit(model)
-    monkeypatch.undo()
-    saved = torch.load(tmp_path / "ckpt" / "interrupted.ckpt", weights_only=False)
-    reference = TinyModel(optimizer="torch")
-    fit = trainer(tmp_path / "reference", max_steps=3)  # the interrupted step was completed
-    fit.fit(reference)
-    for name, value in reference.state_dict().items():
+    the update partway, the optimizer would refuse to be saved; raised from ``step()``, the
+    checkpoint would hold the step with loop counters that do not count it, and the resume
+    would train that batch twice. The mixin raises it at the end of the batch: the checkpoint
+    is the one torch's AdamW gives for a Ctrl-C there, and resumes the same."""
+    schedule = {"warmup_steps": 2, "lr_schedule": "cosine"}
+    saved, resumed = interrupted_then_resumed(
+        tmp_path / "ours",
+        monkeypatch,
+        {"force_staging": True, "overlap_step": overlap, **schedule},
+        "step",
+    )
+    expected, reference = interrupted_then_resumed(
+        tmp_path / "torch", monkeypatch, {"optimizer": "torch", **schedule}, "batch end"
+    )
+    assert saved["global_step"] == expected["global_step"] == 3
+    assert saved["loops"] == expected["loops"]
+    for name, value in expected["state_dict"].items():
         assert torch.equal(saved["state_dict"][name], value), name
-    expected = fit.optimizers[0].state_dict()["state"]
     state = saved["optimizer_states"][0]["state"]
-    for index, entry in expected.items():
+    for index, entry in expected["optimizer_states"][0]["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state[index][key].float(), entry[key].float()), (index, key)
+    assert_same(list(resumed.parameters()), list(reference.parameters()))
+
+
+def test_a_ctrl_c_held_for_the_end_of_the_batch_comes_at_the_next_step_at_the_latest(
+    monkeypatch,
+):
+    """The mixin has the optimizer keep a held Ctrl-C for the end of the batch; if that never
+    comes (a hook overridden without ``super()``), the next ``step()`` raises it before it
+    changes anything."""
+    params = make_params()
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    opt._interrupts_after_batch = True
+    generator = torch.Generator().manual_seed(0)
+    step_together([opt], [params], generator, 1)
+    sigint_on_call(monkeypatch, adamw_module, "adamw_update", {2})
+    step_together([opt], [params], generator, 1)  # kept: not raised here
+    monkeypatch.undo()
+    weights, state = clone_params(params), copy.deepcopy(opt.state_dict())
+    with pytest.raises(KeyboardInterrupt):
+        step_together([opt], [params], generator, 1)
+    assert_same(params, weights)
+    assert opt.state_dict()["state"][0]["step"] == state["state"][0]["step"] == 2
+    step_together([opt], [params], generator, 1)  # once only

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import signal
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -14,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_offload_optim.adamw import OffloadAdamW
+from lightning_offload_optim.interrupts import deliver_sigint
 from lightning_offload_optim.lightning.checkpoint import (
     CHECKPOINT_KEY,
     check_metadata,
@@ -249,17 +251,38 @@ class OffloadOptimizerMixin:
     def on_train_start(self) -> None:
         """Watch ``training_step`` until the first step (:func:`_watch_training_step`). Each
         training run starts here, a tuner's (``LearningRateFinder``, ``BatchSizeFinder``, which
-        run in their ``on_fit_start``, before this module's) and the real one after it."""
+        run in their ``on_fit_start``, before this module's) and the real one after it. A
+        Ctrl-C that arrives during an update is raised at the end of the batch
+        (:meth:`on_train_batch_end`)."""
         watched = getattr(self.training_step, "_offload_watch", False)  # a tuner's, still on
         if any(o.watching for o in self._offload_overlaps()) and not watched:
             _watch_training_step(self)
+        for optimizer in self._offload_optimizers():
+            optimizer._interrupts_after_batch = True
         super().on_train_start()  # type: ignore[misc]
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Raise a Ctrl-C held during this batch's updates now. Raised from ``step()``, it
+        would come before Lightning counts the step, so a checkpoint saved on it
+        (``OnExceptionCheckpoint``) would hold the step's update with counters that do not:
+        resuming would train the batch twice. Here the counters, the schedulers and the
+        callbacks' ``on_train_batch_end`` are done, as for a checkpoint saved in that hook."""
+        super().on_train_batch_end(outputs, batch, batch_idx)  # type: ignore[misc]
+        self._deliver_held_interrupt()
+
+    def _deliver_held_interrupt(self) -> None:
+        held = [optimizer._take_held_interrupt() for optimizer in self._offload_optimizers()]
+        if any(held):
+            deliver_sigint(signal.getsignal(signal.SIGINT))
+
+    def _offload_optimizers(self) -> list[OffloadAdamW]:
+        trainer = getattr(self, "_trainer", None)
+        optimizers = trainer.optimizers if trainer is not None else []
+        return [o for o in optimizers if isinstance(o, OffloadAdamW)]
 
     def _offload_overlaps(self) -> list[Any]:
         """The forward overlaps of this trainer's OffloadAdamW optimizers that have one."""
-        trainer = getattr(self, "_trainer", None)
-        optimizers = trainer.optimizers if trainer is not None else []
-        overlaps = [o._overlapping() for o in optimizers if isinstance(o, OffloadAdamW)]
+        overlaps = [o._overlapping() for o in self._offload_optimizers()]
         return [o for o in overlaps if o is not None]
 
     def on_validation_model_eval(self) -> None:
@@ -276,11 +299,11 @@ class OffloadOptimizerMixin:
         ``optimizer.state``): :meth:`OffloadAdamW.release_device_memory`. A tuner's run
         (``BatchSizeFinder``) ends here too, and training goes on with the same optimizers:
         their next step allocates again."""
-        trainer = getattr(self, "_trainer", None)
-        for optimizer in trainer.optimizers if trainer is not None else []:
-            if isinstance(optimizer, OffloadAdamW):
-                optimizer.release_device_memory()  # waits for the queued updates first
+        for optimizer in self._offload_optimizers():
+            optimizer.release_device_memory()  # waits for the queued updates first
+            optimizer._interrupts_after_batch = False
         super().on_train_end()  # type: ignore[misc]
+        self._deliver_held_interrupt()
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``to``, ``cpu``, ``half``... read every parameter: order them after the queued
