@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import sys
 import warnings
 import weakref
@@ -33,7 +32,7 @@ from lightning_offload_optim.host_state import (
     Slot,
     state_keys,
 )
-from lightning_offload_optim.interrupts import deliver_sigint, keyboard_interrupts_held
+from lightning_offload_optim.interrupts import keyboard_interrupts_held
 from lightning_offload_optim.overlap import ForwardOverlap
 from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
 from lightning_offload_optim.resident import (
@@ -165,10 +164,6 @@ class OffloadAdamW(torch.optim.AdamW):
         self._host = HostState(lambda device: pin and pipeline.stages(device))
         self._plans: OrderedDict[tuple[int, ...], list[Chunk]] = OrderedDict()
         self._interrupted: str | None = None
-        # Lightning's mixin has a Ctrl-C held in an update raised at the end of the batch,
-        # once Lightning has counted the step (a checkpoint then resumes exactly).
-        self._interrupts_after_batch = False
-        self._interrupt_pending = False
         self._overlap: ForwardOverlap | None = None
         self._overlap_finalizer: weakref.finalize | None = None
         self._resident_for: tuple = ()  # what the resident choice was made for
@@ -215,8 +210,6 @@ class OffloadAdamW(torch.optim.AdamW):
         a state dict is loaded. (A device-side fault surfaces later, at some synchronisation,
         and usually leaves the CUDA context unusable.)
         """
-        if self._take_held_interrupt():  # held for the end of a batch that did not come
-            deliver_sigint(signal.getsignal(signal.SIGINT))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -251,7 +244,7 @@ class OffloadAdamW(torch.optim.AdamW):
             self._update_chunk(chunk, views, active, device_steps, hyper)
 
         # Everything is checked and allocated: from here on the update runs (a Ctrl-C waits).
-        with keyboard_interrupts_held(deliver=not self._interrupts_after_batch) as held:
+        with keyboard_interrupts_held():
             try:
                 if new_slots:
                     self._host.adopt(new_slots)
@@ -274,13 +267,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._interrupted = f"step() failed partway through its update ({_name(error)})"
                 self._pipeline.join_updates()
                 raise
-        self._interrupt_pending |= held.arrived and not held.delivered
         return loss
-
-    def _take_held_interrupt(self) -> bool:
-        """Whether a Ctrl-C held in an update waits to be delivered; it is left to the caller."""
-        pending, self._interrupt_pending = self._interrupt_pending, False
-        return pending
 
     def overlap_with(
         self, module: torch.nn.Module, blocks: Iterable[torch.nn.Module] = ()

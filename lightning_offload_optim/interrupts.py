@@ -15,22 +15,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 #: A second SIGINT this soon after the first is the same Ctrl-C, sent twice (launchers such as
 #: ``pixi run`` forward the terminal's signal to a child that received it too).
 SAME_PRESS_SECONDS = 0.5
-
-_depth = 0  # blocks holding SIGINT now (main thread only): an inner one holds nothing itself
-
-
-@dataclass
-class HeldInterrupt:
-    """What a block held: whether a Ctrl-C arrived, and whether it was delivered already."""
-
-    arrived: bool = False
-    delivered: bool = False
 
 
 def deliver_sigint(handler: Any) -> None:
@@ -44,57 +33,71 @@ def deliver_sigint(handler: Any) -> None:
         signal.raise_signal(signal.SIGINT)
 
 
-@contextlib.contextmanager
-def keyboard_interrupts_held(deliver: bool = True) -> Iterator[HeldInterrupt]:
-    """Hold SIGINT until the block ends, then deliver it (:func:`deliver_sigint`) to the
-    handler it was meant for; with ``deliver=False`` the caller delivers it later, when
-    :attr:`HeldInterrupt.arrived` says one came (unless the block raised).
+class SigintHold:
+    """Holds SIGINT from :meth:`start` to :meth:`end`, which delivers it to the handler it was
+    meant for.
 
-    A second SIGINT inside the block, :data:`SAME_PRESS_SECONDS` or more after the first, is
-    delivered at once (the user insists). Nothing is held outside the main thread (only it
-    receives signals in Python), where SIGINT is ignored or handled outside Python, or inside
-    another such block.
+    A second SIGINT, :data:`SAME_PRESS_SECONDS` or more after the first, is delivered at once
+    (the user insists). Nothing is held outside the main thread (only it receives signals in
+    Python), where SIGINT is ignored or handled outside Python, or while another hold holds it.
+    A hold whose end never comes (an exception in between) is undone when its handler is
+    replaced, as Lightning's teardown restores the handlers it found at the start of ``fit``.
+    """
+
+    def __init__(self) -> None:
+        self.arrived = False
+        self._delivered = False
+        self._first = 0.0
+        self._meant_for: Any = None
+        self._handler: Any = None
+
+    @property
+    def holding(self) -> bool:
+        return self._handler is not None and signal.getsignal(signal.SIGINT) is self._handler
+
+    def start(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        meant_for = signal.getsignal(signal.SIGINT)
+        if meant_for in (None, signal.SIG_IGN) or getattr(meant_for, "holds_sigint", False):
+            return
+        self.arrived, self._delivered, self._meant_for = False, False, meant_for
+        self._handler = self._hold  # one bound method: what getsignal() gives back
+        signal.signal(signal.SIGINT, self._handler)
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        if not self.arrived:
+            self.arrived, self._first = True, time.monotonic()
+        elif time.monotonic() - self._first >= SAME_PRESS_SECONDS:
+            self._delivered = True
+            signal.signal(signal.SIGINT, self._meant_for)
+            deliver_sigint(self._meant_for)
+
+    _hold.holds_sigint = True  # type: ignore[attr-defined]
+
+    def end(self) -> None:
+        """Give SIGINT back to its handler and deliver a held one to it."""
+        if not self.holding:
+            self._handler = None
+            return
+        self._handler = None
+        signal.signal(signal.SIGINT, self._meant_for)
+        if self.arrived and not self._delivered:
+            self._delivered = True
+            deliver_sigint(self._meant_for)
+
+
+@contextlib.contextmanager
+def keyboard_interrupts_held() -> Iterator[None]:
+    """Hold SIGINT in the block (:class:`SigintHold`); a held one is raised when it ends.
 
     Example:
         >>> with keyboard_interrupts_held():
         ...     pass  # a Ctrl-C here is raised when the block ends
     """
-    global _depth
-    held = HeldInterrupt()
-    meant_for = signal.getsignal(signal.SIGINT)
-    if (
-        _depth
-        or meant_for is None
-        or meant_for is signal.SIG_IGN
-        or threading.current_thread() is not threading.main_thread()
-    ):
-        yield held
-        return
-    first = 0.0
-
-    def hold(signum: int, frame: Any) -> None:
-        nonlocal first
-        if not held.arrived:
-            held.arrived, first = True, time.monotonic()
-        elif time.monotonic() - first >= SAME_PRESS_SECONDS:
-            signal.signal(signal.SIGINT, meant_for)
-            held.delivered = True
-            deliver_sigint(meant_for)
-
-    signal.signal(signal.SIGINT, hold)
-    _depth += 1
-    failed = False
+    hold = SigintHold()
+    hold.start()
     try:
-        yield held
-    except BaseException:
-        failed = True  # the caller will not deliver it then
-        raise
+        yield
     finally:
-        _depth -= 1
-        now = signal.getsignal(signal.SIGINT)
-        if now is hold:
-            signal.signal(signal.SIGINT, meant_for)
-            now = meant_for
-        if (deliver or failed) and held.arrived and not held.delivered:
-            held.delivered = True
-            deliver_sigint(now)  # to whoever handles it now (code in the block may have set one)
+        hold.end()

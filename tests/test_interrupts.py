@@ -220,56 +220,80 @@ def test_nothing_is_held_where_ctrl_c_is_ignored_or_outside_the_main_thread():
 
 
 class CtrlC(Callback):
-    """Ctrl-C in the second chunk update of the step that follows ``at`` steps (``where``
-    "step"), or in the callbacks' ``on_train_batch_end`` right after that step ("batch end")."""
+    """Ctrl-C in the second chunk update of the step that follows ``at`` steps ("step"; with
+    ``twice`` sent again right after that update, as launchers that forward the terminal's
+    signal do), or in the callbacks' hook at the end of the batch of that step ("batch end") or
+    at the start of the next batch ("next batch start")."""
 
-    def __init__(self, monkeypatch, at: int, where: str) -> None:
-        self.monkeypatch, self.at, self.where = monkeypatch, at, where
+    def __init__(self, monkeypatch, at: int, where: str, twice: bool = False) -> None:
+        self.monkeypatch, self.at, self.where, self.twice = monkeypatch, at, where, twice
+        self.sent = False
+
+    def send(self) -> None:
+        self.sent = True
+        signal.raise_signal(signal.SIGINT)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.where == "step" and trainer.global_step == self.at:
+        if self.where == "step" and not self.sent and trainer.global_step == self.at:
+            self.sent = True
             sigint_on_call(self.monkeypatch, adamw_module, "adamw_update", {2})
+            if self.twice:
+                hook = optimizer.register_step_post_hook(lambda *args: hook.remove() or self.send())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.where == "batch end" and trainer.global_step == self.at + 1:
-            signal.raise_signal(signal.SIGINT)
+        if self.where == "batch end" and not self.sent and trainer.global_step > self.at:
+            self.send()
+        self.stepped = trainer.global_step > self.at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.where == "next batch start" and not self.sent and getattr(self, "stepped", 0):
+            self.send()
 
 
-def interrupted_then_resumed(root, monkeypatch, model_kwargs, where) -> tuple[dict, TinyModel]:
-    """The checkpoint ``OnExceptionCheckpoint`` saves after a Ctrl-C after step 2 (of 6), and
-    the model resumed from it to the end."""
+class TwoStepsPerBatch(TinyModel):
+    """Manual optimization stepping the one optimizer twice per batch, on its halves."""
+
+    def __init__(self, **hparams) -> None:
+        super().__init__(**hparams)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx) -> None:
+        opt = self.optimizers()
+        for x, y in zip(*(part.chunk(2) for part in batch), strict=True):
+            opt.zero_grad()
+            self.manual_backward(torch.nn.functional.mse_loss(self(x), y))
+            opt.step()
+
+
+class EndHookWithoutSuper(TinyModel):
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        pass  # the mixin's hook, which raises the held Ctrl-C, does not run
+
+
+def interrupted_then_resumed(
+    root, monkeypatch, model: type[TinyModel], model_kwargs, ctrl_c: CtrlC
+) -> tuple[dict, TinyModel]:
+    """The checkpoint ``OnExceptionCheckpoint`` saves after ``ctrl_c`` and the model resumed
+    from it to the end (6 batches)."""
     on_exception = OnExceptionCheckpoint(root / "ckpt", "interrupted")
-    callbacks = [CtrlC(monkeypatch, 2, where), on_exception]
     with pytest.raises(SystemExit):  # Lightning exits after a KeyboardInterrupt
-        trainer(root, callbacks=callbacks, enable_checkpointing=True).fit(TinyModel(**model_kwargs))
+        trainer(root, callbacks=[ctrl_c, on_exception], enable_checkpointing=True).fit(
+            model(**model_kwargs)
+        )
     monkeypatch.undo()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignored it from there
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
     path = root / "ckpt" / "interrupted.ckpt"
-    resumed = TinyModel(**model_kwargs)
-    trainer(root / "resumed").fit(resumed, ckpt_path=path)
+    resumed = model(**model_kwargs)
+    trainer(root / "resumed", max_steps=6 * steps_per_batch(model)).fit(resumed, ckpt_path=path)
     return torch.load(path, weights_only=False), resumed
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_ctrl_c_in_a_lightning_step_saves_a_checkpoint_that_resumes_exactly(
-    tmp_path, monkeypatch, overlap
-):
-    """Lightning's graceful shutdown runs ``OnExceptionCheckpoint``. Had the interrupt stopped
-    the update partway, the optimizer would refuse to be saved; raised from ``step()``, the
-    checkpoint would hold the step with loop counters that do not count it, and the resume
-    would train that batch twice. The mixin raises it at the end of the batch: the checkpoint
-    is the one torch's AdamW gives for a Ctrl-C there, and resumes the same."""
-    schedule = {"warmup_steps": 2, "lr_schedule": "cosine"}
-    saved, resumed = interrupted_then_resumed(
-        tmp_path / "ours",
-        monkeypatch,
-        {"force_staging": True, "overlap_step": overlap, **schedule},
-        "step",
-    )
-    expected, reference = interrupted_then_resumed(
-        tmp_path / "torch", monkeypatch, {"optimizer": "torch", **schedule}, "batch end"
-    )
-    assert saved["global_step"] == expected["global_step"] == 3
+def steps_per_batch(model: type[TinyModel]) -> int:
+    return 2 if issubclass(model, TwoStepsPerBatch) else 1
+
+
+def assert_same_checkpoint(saved: dict, expected: dict) -> None:
+    assert saved["global_step"] == expected["global_step"]
     assert saved["loops"] == expected["loops"]
     for name, value in expected["state_dict"].items():
         assert torch.equal(saved["state_dict"][name], value), name
@@ -277,26 +301,37 @@ def test_ctrl_c_in_a_lightning_step_saves_a_checkpoint_that_resumes_exactly(
     for index, entry in expected["optimizer_states"][0]["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state[index][key].float(), entry[key].float()), (index, key)
-    assert_same(list(resumed.parameters()), list(reference.parameters()))
 
 
-def test_a_ctrl_c_held_for_the_end_of_the_batch_comes_at_the_next_step_at_the_latest(
-    monkeypatch,
+@pytest.mark.parametrize(
+    ("model", "overlap", "twice", "torch_at"),
+    [
+        (TinyModel, False, False, "batch end"),
+        (TinyModel, True, False, "batch end"),
+        (TinyModel, False, True, "batch end"),
+        (TwoStepsPerBatch, False, False, "batch end"),
+        (EndHookWithoutSuper, False, False, "next batch start"),
+    ],
+    ids=["plain", "overlap", "sent-twice", "two-steps-per-batch", "end-hook-without-super"],
+)
+def test_ctrl_c_in_a_lightning_step_saves_a_checkpoint_that_resumes_exactly(
+    tmp_path, monkeypatch, model, overlap, twice, torch_at
 ):
-    """The mixin has the optimizer keep a held Ctrl-C for the end of the batch; if that never
-    comes (a hook overridden without ``super()``), the next ``step()`` raises it before it
-    changes anything."""
-    params = make_params()
-    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
-    opt._interrupts_after_batch = True
-    generator = torch.Generator().manual_seed(0)
-    step_together([opt], [params], generator, 1)
-    sigint_on_call(monkeypatch, adamw_module, "adamw_update", {2})
-    step_together([opt], [params], generator, 1)  # kept: not raised here
-    monkeypatch.undo()
-    weights, state = clone_params(params), copy.deepcopy(opt.state_dict())
-    with pytest.raises(KeyboardInterrupt):
-        step_together([opt], [params], generator, 1)
-    assert_same(params, weights)
-    assert opt.state_dict()["state"][0]["step"] == state["state"][0]["step"] == 2
-    step_together([opt], [params], generator, 1)  # once only
+    """Lightning's graceful shutdown runs ``OnExceptionCheckpoint``. Had the interrupt stopped
+    the update partway, the optimizer would refuse to be saved; raised from ``step()``, the
+    checkpoint would hold the step with loop counters that do not count it, and the resume
+    would train that batch twice (or, with two steps per batch, lose the second). The mixin
+    raises it at the end of the batch: the checkpoint is the one torch's AdamW gives for a
+    Ctrl-C there, and resumes the same. A launcher's second copy of the signal changes
+    nothing; without the end hook's ``super()`` the next batch's start raises it."""
+    at = 2 * steps_per_batch(model)  # the first step of the third batch
+    kwargs = {"force_staging": True, "overlap_step": overlap}
+    ours = CtrlC(monkeypatch, at, "step", twice)
+    saved, resumed = interrupted_then_resumed(tmp_path / "ours", monkeypatch, model, kwargs, ours)
+    theirs = CtrlC(monkeypatch, at, torch_at)
+    expected, reference = interrupted_then_resumed(
+        tmp_path / "torch", monkeypatch, model, {"optimizer": "torch"}, theirs
+    )
+    assert saved["global_step"] == at + steps_per_batch(model)
+    assert_same_checkpoint(saved, expected)
+    assert_same(list(resumed.parameters()), list(reference.parameters()))

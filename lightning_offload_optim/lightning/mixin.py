@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-import signal
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -15,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_offload_optim.adamw import OffloadAdamW
-from lightning_offload_optim.interrupts import deliver_sigint
+from lightning_offload_optim.interrupts import SigintHold
 from lightning_offload_optim.lightning.checkpoint import (
     CHECKPOINT_KEY,
     check_metadata,
@@ -97,7 +96,9 @@ class OffloadOptimizerMixin:
     ``training_step`` until the first step; ``on_train_end`` frees what the optimizers hold on
     the device, and ``teardown`` removes the overlap's hooks. Where ``on_fit_start`` finds an
     lr set before the first step (``LearningRateFinder``'s suggestion), it is the schedule's
-    peak. Call ``super()`` where you override these hooks.
+    peak. A Ctrl-C from the first optimizer step of a batch on is raised at the end of the
+    batch (``on_before_optimizer_step`` to ``on_train_batch_end``). Call ``super()`` where you
+    override these hooks.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -109,6 +110,9 @@ class OffloadOptimizerMixin:
         >>> Model().offload_optimizer_args()["lr"]
         0.0003
     """
+
+    #: Holds Ctrl-C from a batch's first OffloadAdamW step to the batch's end.
+    _offload_sigint: SigintHold = SigintHold()
 
     offload_defaults: ClassVar[dict[str, Any]] = {
         "lr": 1e-3,
@@ -251,29 +255,34 @@ class OffloadOptimizerMixin:
     def on_train_start(self) -> None:
         """Watch ``training_step`` until the first step (:func:`_watch_training_step`). Each
         training run starts here, a tuner's (``LearningRateFinder``, ``BatchSizeFinder``, which
-        run in their ``on_fit_start``, before this module's) and the real one after it. A
-        Ctrl-C that arrives during an update is raised at the end of the batch
-        (:meth:`on_train_batch_end`)."""
+        run in their ``on_fit_start``, before this module's) and the real one after it."""
         watched = getattr(self.training_step, "_offload_watch", False)  # a tuner's, still on
         if any(o.watching for o in self._offload_overlaps()) and not watched:
             _watch_training_step(self)
-        for optimizer in self._offload_optimizers():
-            optimizer._interrupts_after_batch = True
         super().on_train_start()  # type: ignore[misc]
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Raise a Ctrl-C held during this batch's updates now. Raised from ``step()``, it
-        would come before Lightning counts the step, so a checkpoint saved on it
-        (``OnExceptionCheckpoint``) would hold the step's update with counters that do not:
-        resuming would train the batch twice. Here the counters, the schedulers and the
-        callbacks' ``on_train_batch_end`` are done, as for a checkpoint saved in that hook."""
-        super().on_train_batch_end(outputs, batch, batch_idx)  # type: ignore[misc]
-        self._deliver_held_interrupt()
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hold Ctrl-C from the batch's first step of an OffloadAdamW to the batch's end
+        (:meth:`on_train_batch_end`). Raised from ``step()``, where the optimizer alone would
+        hold it, it would come before Lightning counts the step: a checkpoint saved on it
+        (``OnExceptionCheckpoint``) would hold the step's update with counters that do not,
+        and resuming would train the batch twice; in manual optimization a later step of the
+        same batch would be lost."""
+        super().on_before_optimizer_step(optimizer)  # type: ignore[misc]
+        if isinstance(optimizer, OffloadAdamW) and not self._offload_sigint.holding:
+            self._offload_sigint = SigintHold()
+            self._offload_sigint.start()
 
-    def _deliver_held_interrupt(self) -> None:
-        held = [optimizer._take_held_interrupt() for optimizer in self._offload_optimizers()]
-        if any(held):
-            deliver_sigint(signal.getsignal(signal.SIGINT))
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Raise a Ctrl-C held since the batch's first step: the counters, the schedulers and
+        the callbacks' ``on_train_batch_end`` are done, as for a checkpoint saved there."""
+        super().on_train_batch_end(outputs, batch, batch_idx)  # type: ignore[misc]
+        self._offload_sigint.end()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+        """A hold left by an ``on_train_batch_end`` overridden without ``super()`` ends here."""
+        self._offload_sigint.end()
+        return super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
 
     def _offload_optimizers(self) -> list[OffloadAdamW]:
         trainer = getattr(self, "_trainer", None)
@@ -301,9 +310,7 @@ class OffloadOptimizerMixin:
         their next step allocates again."""
         for optimizer in self._offload_optimizers():
             optimizer.release_device_memory()  # waits for the queued updates first
-            optimizer._interrupts_after_batch = False
         super().on_train_end()  # type: ignore[misc]
-        self._deliver_held_interrupt()
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``to``, ``cpu``, ``half``... read every parameter: order them after the queued
