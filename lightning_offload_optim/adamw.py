@@ -203,12 +203,11 @@ class OffloadAdamW(torch.optim.AdamW):
         checked and made before the first parameter, moment or step count changes, so a step
         that raises for any of these leaves model and optimizer exactly as they were. A Ctrl-C
         (SIGINT, in the main thread) during the update is raised when the update ends, so the
-        state can still be saved; a second one interrupts at once. An exception during the
-        update itself (that second Ctrl-C, an error raised by a kernel or copy as it is queued)
-        can leave some chunks updated and others not; that cannot be undone cheaply, so the
-        optimizer then refuses further ``step()`` and ``state_dict()`` calls with an error until
-        a state dict is loaded. (A device-side fault surfaces later, at some synchronisation,
-        and usually leaves the CUDA context unusable.)
+        state can still be saved. An exception during the update itself (an error raised by a
+        kernel or copy as it is queued) can leave some chunks updated and others not; that
+        cannot be undone cheaply, so the optimizer then refuses further ``step()`` and
+        ``state_dict()`` calls with an error until a state dict is loaded. (A device-side fault
+        surfaces later, at some synchronisation, and usually leaves the CUDA context unusable.)
         """
         loss = None
         if closure is not None:

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: A second SIGINT this soon after the first is the same Ctrl-C, sent twice (launchers such as
@@ -37,16 +37,19 @@ class SigintHold:
     """Holds SIGINT from :meth:`start` to :meth:`end`, which delivers it to the handler it was
     meant for.
 
-    A second SIGINT, :data:`SAME_PRESS_SECONDS` or more after the first, is delivered at once
-    (the user insists). Nothing is held outside the main thread (only it receives signals in
+    Inside it, updates (:func:`keyboard_interrupts_held`) run whole: a second SIGINT,
+    :data:`SAME_PRESS_SECONDS` or more after the first (the user insists), is delivered as soon
+    as no update runs. Nothing is held outside the main thread (only it receives signals in
     Python), where SIGINT is ignored or handled outside Python, or while another hold holds it.
-    A hold whose end never comes (an exception in between) is undone when its handler is
-    replaced, as Lightning's teardown restores the handlers it found at the start of ``fit``.
+    ``alive`` says whether the hold's owner still runs: a hold whose end never came (an
+    exception in between) gives SIGINT back at the next one, which it delivers at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, alive: Callable[[], bool] = lambda: True) -> None:
         self.arrived = False
-        self._delivered = False
+        self.updating = 0  # updates running inside the hold
+        self._alive = alive
+        self._insisted = False
         self._first = 0.0
         self._meant_for: Any = None
         self._handler: Any = None
@@ -55,49 +58,73 @@ class SigintHold:
     def holding(self) -> bool:
         return self._handler is not None and signal.getsignal(signal.SIGINT) is self._handler
 
+    @staticmethod
+    def current() -> SigintHold | None:
+        """The hold holding SIGINT now, if any."""
+        handler = signal.getsignal(signal.SIGINT)
+        owner = getattr(handler, "__self__", None)
+        return owner if isinstance(owner, SigintHold) and owner.holding else None
+
     def start(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
         meant_for = signal.getsignal(signal.SIGINT)
-        if meant_for in (None, signal.SIG_IGN) or getattr(meant_for, "holds_sigint", False):
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or meant_for in (None, signal.SIG_IGN)
+            or SigintHold.current() is not None
+        ):
             return
-        self.arrived, self._delivered, self._meant_for = False, False, meant_for
+        self.arrived, self._insisted, self._meant_for = False, False, meant_for
         self._handler = self._hold  # one bound method: what getsignal() gives back
         signal.signal(signal.SIGINT, self._handler)
 
     def _hold(self, signum: int, frame: Any) -> None:
-        if not self.arrived:
+        if not self._alive():
+            self.arrived = True
+            self.end()
+        elif not self.arrived:
             self.arrived, self._first = True, time.monotonic()
         elif time.monotonic() - self._first >= SAME_PRESS_SECONDS:
-            self._delivered = True
-            signal.signal(signal.SIGINT, self._meant_for)
-            deliver_sigint(self._meant_for)
+            self._insisted = True
+            if not self.updating:
+                self.end()
 
-    _hold.holds_sigint = True  # type: ignore[attr-defined]
+    def update_ended(self) -> None:
+        """An update inside the hold ended: deliver now if the user insisted meanwhile."""
+        if self._insisted and not self.updating:
+            self.end()
 
     def end(self) -> None:
         """Give SIGINT back to its handler and deliver a held one to it."""
         if not self.holding:
-            self._handler = None
+            self._handler = self._meant_for = None
             return
-        self._handler = None
-        signal.signal(signal.SIGINT, self._meant_for)
-        if self.arrived and not self._delivered:
-            self._delivered = True
-            deliver_sigint(self._meant_for)
+        meant_for, self._handler, self._meant_for = self._meant_for, None, None
+        signal.signal(signal.SIGINT, meant_for)
+        if self.arrived:
+            self.arrived = False
+            deliver_sigint(meant_for)
 
 
 @contextlib.contextmanager
 def keyboard_interrupts_held() -> Iterator[None]:
-    """Hold SIGINT in the block (:class:`SigintHold`); a held one is raised when it ends.
+    """Run an update whole: SIGINT waits for the block's end, inside the hold holding it now
+    (:class:`SigintHold`) or a hold of the block's own, which raises a held one at the end.
 
     Example:
         >>> with keyboard_interrupts_held():
         ...     pass  # a Ctrl-C here is raised when the block ends
     """
-    hold = SigintHold()
-    hold.start()
+    hold = SigintHold.current()
+    own = hold is None
+    if hold is None:
+        hold = SigintHold()
+        hold.start()
+    hold.updating += 1
     try:
         yield
     finally:
-        hold.end()
+        hold.updating -= 1
+        if own:
+            hold.end()
+        else:
+            hold.update_ended()

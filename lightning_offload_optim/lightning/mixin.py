@@ -7,11 +7,12 @@ import math
 import re
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerStatus
 
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.interrupts import SigintHold
@@ -110,9 +111,6 @@ class OffloadOptimizerMixin:
         >>> Model().offload_optimizer_args()["lr"]
         0.0003
     """
-
-    #: Holds Ctrl-C from a batch's first OffloadAdamW step to the batch's end.
-    _offload_sigint: SigintHold = SigintHold()
 
     offload_defaults: ClassVar[dict[str, Any]] = {
         "lr": 1e-3,
@@ -269,20 +267,33 @@ class OffloadOptimizerMixin:
         and resuming would train the batch twice; in manual optimization a later step of the
         same batch would be lost."""
         super().on_before_optimizer_step(optimizer)  # type: ignore[misc]
-        if isinstance(optimizer, OffloadAdamW) and not self._offload_sigint.holding:
-            self._offload_sigint = SigintHold()
-            self._offload_sigint.start()
+        trainer = getattr(self, "_trainer", None)
+        held = _SIGINT_HOLDS.get(self)
+        ours = isinstance(optimizer, OffloadAdamW) and trainer is not None
+        if ours and not (held is not None and held.holding):
+            _SIGINT_HOLDS[self] = hold = SigintHold(_fitting(trainer))
+            hold.start()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Raise a Ctrl-C held since the batch's first step: the counters, the schedulers and
         the callbacks' ``on_train_batch_end`` are done, as for a checkpoint saved there."""
         super().on_train_batch_end(outputs, batch, batch_idx)  # type: ignore[misc]
-        self._offload_sigint.end()
+        self._end_sigint_hold()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
-        """A hold left by an ``on_train_batch_end`` overridden without ``super()`` ends here."""
-        self._offload_sigint.end()
+        """A hold left by an ``on_train_batch_end`` overridden without ``super()`` ends here, at
+        the epoch's end, before validation or when training ends."""
+        self._end_sigint_hold()
         return super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+
+    def on_train_epoch_end(self) -> None:
+        self._end_sigint_hold()
+        super().on_train_epoch_end()  # type: ignore[misc]
+
+    def _end_sigint_hold(self) -> None:
+        hold = _SIGINT_HOLDS.pop(self, None)
+        if hold is not None:
+            hold.end()
 
     def _offload_optimizers(self) -> list[OffloadAdamW]:
         trainer = getattr(self, "_trainer", None)
@@ -298,6 +309,7 @@ class OffloadOptimizerMixin:
         """With ``overlap_step``, order validation (whose steps may read parameters without the
         forward hooks, a root parameter say) after the last step's updates; Lightning calls
         this hook before any ``on_validation_start``, the callbacks' included."""
+        self._end_sigint_hold()
         self._wait_for_offload_updates()
         super().on_validation_model_eval()  # type: ignore[misc]
 
@@ -308,6 +320,7 @@ class OffloadOptimizerMixin:
         ``optimizer.state``): :meth:`OffloadAdamW.release_device_memory`. A tuner's run
         (``BatchSizeFinder``) ends here too, and training goes on with the same optimizers:
         their next step allocates again."""
+        self._end_sigint_hold()
         for optimizer in self._offload_optimizers():
             optimizer.release_device_memory()  # waits for the queued updates first
         super().on_train_end()  # type: ignore[misc]
@@ -326,6 +339,7 @@ class OffloadOptimizerMixin:
     def teardown(self, stage: str) -> None:
         """Remove the hooks of the trainer's optimizers' overlaps from this module: a later fit
         makes new optimizers."""
+        self._end_sigint_hold()
         for overlap in self._offload_overlaps():
             overlap.remove()
         super().teardown(stage)  # type: ignore[misc]
@@ -338,6 +352,17 @@ class OffloadOptimizerMixin:
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_metadata(checkpoint)
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+
+
+#: Each module's hold of Ctrl-C from its batch's first OffloadAdamW step to the batch's end;
+#: kept off the module, which would otherwise carry the process's SIGINT handler into copies.
+_SIGINT_HOLDS: weakref.WeakKeyDictionary[Any, SigintHold] = weakref.WeakKeyDictionary()
+
+
+def _fitting(trainer: pl.Trainer) -> Callable[[], bool]:
+    """Whether ``trainer`` still runs (an exception ends it without any of the module's hooks)."""
+    running = weakref.ref(trainer)
+    return lambda: (t := running()) is not None and t.state.status == TrainerStatus.RUNNING
 
 
 def _watch_training_step(module: OffloadOptimizerMixin) -> None:
