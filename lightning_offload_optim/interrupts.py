@@ -60,10 +60,15 @@ class SigintHold:
 
     @staticmethod
     def current() -> SigintHold | None:
-        """The hold holding SIGINT now, if any."""
+        """The hold holding SIGINT now, if any; one whose owner stopped is ended here."""
         handler = signal.getsignal(signal.SIGINT)
         owner = getattr(handler, "__self__", None)
-        return owner if isinstance(owner, SigintHold) and owner.holding else None
+        if not isinstance(owner, SigintHold) or not owner.holding:
+            return None
+        if not owner._alive():
+            owner.end()
+            return None
+        return owner
 
     def start(self) -> None:
         meant_for = signal.getsignal(signal.SIGINT)

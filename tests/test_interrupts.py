@@ -208,6 +208,13 @@ def test_a_hold_whose_owner_stopped_delivers_at_once():
     signal.raise_signal(signal.SIGINT)
     assert received == [signal.SIGINT]
     assert signal.getsignal(signal.SIGINT) is handler
+    # Nor does it take over an update: that update holds a Ctrl-C itself, to its end.
+    interrupts.SigintHold(alive=lambda: running[0]).start()
+    with keyboard_interrupts_held():
+        signal.raise_signal(signal.SIGINT)
+        assert received == [signal.SIGINT]
+    assert received == [signal.SIGINT] * 2
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_an_event_loop_hears_of_a_held_ctrl_c_once():
