@@ -42,7 +42,8 @@ class SigintHold:
     as no update runs. Nothing is held outside the main thread (only it receives signals in
     Python), where SIGINT is ignored or handled outside Python, or while another hold holds it.
     ``alive`` says whether the hold's owner still runs: a hold whose end never came (an
-    exception in between) gives SIGINT back at the next one, which it delivers at once.
+    exception in between) gives SIGINT back at the next one, which it delivers at once. So does
+    an ended hold that something installed again (a handler saved during the hold, restored).
     """
 
     def __init__(self, alive: Callable[[], bool] = lambda: True) -> None:
@@ -83,7 +84,11 @@ class SigintHold:
         signal.signal(signal.SIGINT, self._handler)
 
     def _hold(self, signum: int, frame: Any) -> None:
-        if not self._alive():
+        if self._handler is None:  # ended, yet installed again (a saved handler restored)
+            if signal.getsignal(signal.SIGINT) == self._hold:
+                signal.signal(signal.SIGINT, self._meant_for)
+            deliver_sigint(self._meant_for)
+        elif not self._alive():
             self.arrived = True
             self.end()
         elif not self.arrived:
@@ -101,9 +106,9 @@ class SigintHold:
     def end(self) -> None:
         """Give SIGINT back to its handler and deliver a held one to it."""
         if not self.holding:
-            self._handler = self._meant_for = None
+            self._handler = None
             return
-        meant_for, self._handler, self._meant_for = self._meant_for, None, None
+        meant_for, self._handler = self._meant_for, None
         signal.signal(signal.SIGINT, meant_for)
         if self.arrived:
             self.arrived = False
@@ -119,6 +124,9 @@ def keyboard_interrupts_held() -> Iterator[None]:
         >>> with keyboard_interrupts_held():
         ...     pass  # a Ctrl-C here is raised when the block ends
     """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only, and its hold is not this thread's
+        return
     hold = SigintHold.current()
     own = hold is None
     if hold is None:

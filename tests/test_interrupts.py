@@ -9,6 +9,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -193,6 +194,53 @@ def test_a_hold_delivers_an_insisting_ctrl_c_as_soon_as_no_update_runs(monkeypat
     assert received == [signal.SIGINT] * 2  # at once: no update runs
     hold.end()
     assert received == [signal.SIGINT] * 2
+
+
+def test_an_ended_hold_installed_again_gives_sigint_back():
+    """Lightning saves the handlers at the start of a ``fit`` or ``validate`` and restores them
+    at its end: one started during a hold that ended meanwhile puts the ended hold back."""
+    received = []
+    handler = lambda signum, frame: received.append(signum)  # noqa: E731
+    signal.signal(signal.SIGINT, handler)
+    hold = interrupts.SigintHold()
+    hold.start()
+    saved = signal.getsignal(signal.SIGINT)
+    hold.end()
+    signal.signal(signal.SIGINT, saved)
+    signal.raise_signal(signal.SIGINT)
+    assert received == [signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_an_update_in_another_thread_leaves_the_main_threads_hold_alone(monkeypatch):
+    monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    hold = interrupts.SigintHold()
+    hold.start()
+    errors = []
+
+    def until(condition) -> None:  # the main thread runs the handler, soon
+        deadline = time.monotonic() + 5
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def update_elsewhere() -> None:
+        try:
+            with keyboard_interrupts_held():
+                signal.raise_signal(signal.SIGINT)  # reaches the main thread's hold
+                until(lambda: hold.arrived)
+                signal.raise_signal(signal.SIGINT)  # the user insists: no main-thread update
+                until(lambda: received)
+        except Exception as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=update_elsewhere)
+    thread.start()
+    until(lambda: not thread.is_alive())  # runs Python, so the handler runs (join() would not)
+    assert errors == []
+    assert received == [signal.SIGINT]
+    assert not hold.holding
 
 
 def test_a_hold_whose_owner_stopped_delivers_at_once():
