@@ -107,13 +107,19 @@ def test_a_second_ctrl_c_still_waits_for_the_update(monkeypatch, later):
     assert opt.state_dict()["state"][0]["step"] == 2  # whole
 
 
-def test_ctrl_c_during_a_load_is_raised_after_it(monkeypatch):
-    """Also after a step that failed partway: the load, whole, lifts the refusal to step."""
+def staged_after_two_steps():
+    """A staged OffloadAdamW over ``make_params()`` after two steps: the parameters, the
+    optimizer, the gradients' generator and a copy of its state dict."""
     params = make_params()
     opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
     generator = torch.Generator().manual_seed(0)
     step_together([opt], [params], generator, 2)
-    saved = copy.deepcopy(opt.state_dict())
+    return params, opt, generator, copy.deepcopy(opt.state_dict())
+
+
+def test_ctrl_c_during_a_load_is_raised_after_it(monkeypatch):
+    """Also after a step that failed partway: the load, whole, lifts the refusal to step."""
+    params, opt, generator, saved = staged_after_two_steps()
     weights = clone_params(params)
     fail_on_call(monkeypatch, adamw_module, "adamw_update", 2, RuntimeError("simulated"))
     with pytest.raises(RuntimeError, match="simulated"):
@@ -138,11 +144,7 @@ def test_ctrl_c_while_state_written_into_optimizer_state_is_adopted(monkeypatch)
     """State put in ``optimizer.state`` (``ZeroRedundancyOptimizer``'s load, a hand edit) is
     copied into host buffers when the next step starts; a Ctrl-C then stops that step before
     its update, with the state whole, not refused."""
-    params = make_params()
-    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
-    generator = torch.Generator().manual_seed(0)
-    step_together([opt], [params], generator, 2)
-    saved = copy.deepcopy(opt.state_dict())
+    params, opt, generator, saved = staged_after_two_steps()
     reference = clone_params(params)
     torch_opt = torch.optim.AdamW(reference, fused=True)
     torch_opt.load_state_dict(copy.deepcopy(saved))
