@@ -115,6 +115,27 @@ def token_batches(count: int, seed: int) -> list[torch.Tensor]:
     return [torch.randint(0, 10, (6,), generator=generator) for _ in range(count)]
 
 
+def forked_child_memory_map() -> list[tuple[int, int]]:
+    """The address ranges mapped in a child forked now (it waits, untouched, while the parent
+    reads them; anything it did first could map memory where the parent's was)."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    try:
+        with open(f"/proc/{child}/maps") as maps:
+            return [
+                (int(low, 16), int(high, 16))
+                for low, high in (line.split()[0].split("-") for line in maps)
+            ]
+    finally:
+        os.close(write)
+        os.waitpid(child, 0)
+
+
 def fail_on_call(
     monkeypatch: pytest.MonkeyPatch, target: object, name: str, number: int, error: BaseException
 ) -> None:

@@ -9,7 +9,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_same, clone_params, make_params, set_grads, step_together
+from conftest import (
+    assert_same,
+    clone_params,
+    forked_child_memory_map,
+    make_params,
+    set_grads,
+    step_together,
+)
 from torch import nn
 
 from lightning_offload_optim import OffloadAdamW
@@ -306,6 +313,25 @@ def test_many_tiny_arenas_next_to_large_ones_are_all_pinned():
     assert stats["host_bytes"] <= stats["state_bytes"] + page_slack
     del opt  # unregistering waits for in-flight copies and must not fail
     torch.cuda.synchronize()
+
+
+def test_pinned_state_stays_out_of_forked_processes_and_keeps_training():
+    """``MADV_DONTFORK`` on the registered pages: a forked child (a DataLoader worker) maps
+    none of them, and the parent's pinned buffers keep working with the driver afterwards."""
+    params = make_params(SHAPES, device=CUDA)
+    reference = clone_params(params)
+    opt = OffloadAdamW(params, chunk_size=CHUNK)
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    generator = torch.Generator().manual_seed(3)
+    step_together([opt, torch_opt], [params, reference], generator, 1)
+    buffers = [b for a in opt._host.arenas for b in a.buffers.values()]
+    assert buffers and all(b.is_pinned() for b in buffers)
+    mapped = forked_child_memory_map()
+    for buffer in buffers:
+        start = buffer.data_ptr()
+        assert not any(low <= start < high for low, high in mapped)
+    step_together([opt, torch_opt], [params, reference], generator, 2)
+    assert_same(params, reference)
 
 
 def test_refused_pinning_falls_back_and_the_next_kernels_run(monkeypatch):

@@ -10,7 +10,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_same, assert_state_offloaded, make_params, set_grads, step_together
+from conftest import (
+    assert_same,
+    assert_state_offloaded,
+    forked_child_memory_map,
+    make_params,
+    set_grads,
+    step_together,
+)
 
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
@@ -202,20 +209,9 @@ def test_pinned_buffers_are_not_inherited_by_forked_processes():
 
     buffer, _ = host_state.registered_empty(10 * host_state.PAGE_SIZE, torch.uint8, lambda p, n: 0)
     start = buffer.data_ptr()
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # the child waits, untouched, until the parent has read its memory map
-        os.close(write)
-        os.read(read, 1)
-        os._exit(0)
-    os.close(read)
-    try:
-        with open(f"/proc/{child}/maps") as maps:
-            ranges = [[int(a, 16) for a in line.split()[0].split("-")] for line in maps]
-    finally:
-        os.close(write)
-        os.waitpid(child, 0)
-    assert not any(low <= start < high for low, high in ranges), "the child has the state's pages"
+    assert not any(low <= start < high for low, high in forked_child_memory_map()), (
+        "the child has the state's pages"
+    )
     buffer.fill_(1)  # the parent's mapping is unaffected
     assert buffer.sum().item() == buffer.numel()
 
