@@ -153,14 +153,7 @@ def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
         label.replace(": 0 graphs", "").replace(": 1 graphs", ": 1 graph") for label in labels
     ]
     bars = ax.barh(labels, [r["fwd_bwd_ms"] for r in rows], color="#4c72b0")
-    for bar, row in zip(bars, rows, strict=True):
-        ax.text(
-            bar.get_width(),
-            bar.get_y() + bar.get_height() / 2,
-            f" {row['fwd_bwd_ms']} ms",
-            va="center",
-            fontsize=8,
-        )
+    ax.bar_label(bars, [f" {row['fwd_bwd_ms']} ms" for row in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("forward + backward, median (ms)")
     ax.set_title(

@@ -134,14 +134,8 @@ def plot(results: dict, meta: dict, path: Path) -> None:
     colors = ["#4c72b0" if "Offload" in n else "#999999" for n in names]
     fig, ax = plt.subplots(figsize=(7, 3.2))
     bars = ax.barh(names[::-1], values[::-1], color=colors[::-1])
-    for bar, name in zip(bars, names[::-1], strict=True):
-        ax.text(
-            bar.get_width(),
-            bar.get_y() + bar.get_height() / 2,
-            f" {results[name]['ratio_to_fused']:.2f}x",
-            va="center",
-            fontsize=8,
-        )
+    ratios = [f" {results[name]['ratio_to_fused']:.2f}x" for name in names[::-1]]
+    ax.bar_label(bars, ratios, fontsize=8)
     ax.set_xlabel("ms per optimizer step (median)")
     ax.set_title(
         f"AdamW step on CPU, {meta['parameters'] / 1e6:.0f}M fp32 params, "
