@@ -268,9 +268,8 @@ class OffloadOptimizerMixin:
         same batch would be lost."""
         super().on_before_optimizer_step(optimizer)  # type: ignore[misc]
         trainer = getattr(self, "_trainer", None)
-        held = _SIGINT_HOLDS.get(self)
         ours = isinstance(optimizer, OffloadAdamW) and trainer is not None
-        if ours and not (held is not None and held.holding):
+        if ours and SigintHold.current() is None:  # else the batch's hold holds already
             _SIGINT_HOLDS[self] = hold = SigintHold(_fitting(trainer))
             hold.start()
 
