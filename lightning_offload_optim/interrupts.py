@@ -40,7 +40,8 @@ class SigintHold:
     Inside it, updates (:func:`keyboard_interrupts_held`) run whole: a second SIGINT,
     :data:`SAME_PRESS_SECONDS` or more after the first (the user insists), is delivered as soon
     as no update runs. Nothing is held outside the main thread (only it receives signals in
-    Python), where SIGINT is ignored or handled outside Python, or while another hold holds it.
+    Python), where SIGINT is handled outside Python, or while another hold holds it; an ignored
+    SIGINT is held, then dropped.
     ``alive`` says whether the hold's owner still runs: a hold whose end never came (an
     exception in between) gives SIGINT back at the next one, which it delivers at once. So does
     an ended hold that something installed again (a handler saved during the hold, restored).
@@ -75,7 +76,7 @@ class SigintHold:
         meant_for = signal.getsignal(signal.SIGINT)
         if (
             threading.current_thread() is not threading.main_thread()
-            or meant_for in (None, signal.SIG_IGN)
+            or meant_for is None  # set outside Python: it could not be given back
             or SigintHold.current() is not None
         ):
             return
