@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import (
@@ -23,10 +24,10 @@ from conftest import (
     step_together,
     train_alike,
 )
-from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning_models import TinyModel, trainer
 
-from lightning_offload_optim import OffloadAdamW, interrupts
+from lightning_offload_optim import OffloadAdamW, OffloadMonitor, interrupts
 from lightning_offload_optim import adamw as adamw_module
 from lightning_offload_optim.interrupts import keyboard_interrupts_held
 
@@ -360,21 +361,40 @@ class EndHookWithoutSuper(TinyModel):
         pass  # the mixin's hook, which raises the held Ctrl-C, does not run
 
 
+class WithoutMixin(pl.LightningModule):
+    """TinyModel's network, data and param groups, with OffloadAdamW from a ``configure_optimizers``
+    of its own: no mixin, so only the monitor holds Ctrl-C to the batch's end."""
+
+    forward = TinyModel.forward
+    training_step = TinyModel.training_step
+    train_dataloader = TinyModel.train_dataloader
+    reference_param_groups = TinyModel.reference_param_groups
+
+    def __init__(self, **hparams) -> None:
+        super().__init__()
+        self.save_hyperparameters({"nan_at_batch": -1})
+        self.net = TinyModel().net
+
+    def configure_optimizers(self) -> OffloadAdamW:
+        groups = self.reference_param_groups()
+        return OffloadAdamW(groups, lr=0.01, weight_decay=0.1, force_staging=True, chunk_size=64)
+
+
 def interrupted_then_resumed(
     root, monkeypatch, model: type[TinyModel], model_kwargs, ctrl_c: CtrlC
 ) -> tuple[dict, TinyModel]:
     """The checkpoint ``OnExceptionCheckpoint`` saves after ``ctrl_c`` and the model resumed
     from it to the end (6 batches)."""
     on_exception = OnExceptionCheckpoint(root / "ckpt", "interrupted")
+    callbacks = [ctrl_c, OffloadMonitor(summary=False), on_exception]
     with pytest.raises(SystemExit):  # Lightning exits after a KeyboardInterrupt
-        trainer(root, callbacks=[ctrl_c, on_exception], enable_checkpointing=True).fit(
-            model(**model_kwargs)
-        )
+        trainer(root, callbacks=callbacks, enable_checkpointing=True).fit(model(**model_kwargs))
     monkeypatch.undo()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
     path = root / "ckpt" / "interrupted.ckpt"
     resumed = model(**model_kwargs)
-    trainer(root / "resumed", max_steps=6 * steps_per_batch(model)).fit(resumed, ckpt_path=path)
+    resume = trainer(root / "resumed", max_steps=6 * steps_per_batch(model), callbacks=callbacks[1])
+    resume.fit(resumed, ckpt_path=path)
     return torch.load(path, weights_only=False), resumed
 
 
@@ -402,6 +422,7 @@ def assert_same_checkpoint(saved: dict, expected: dict) -> None:
         (TwoStepsPerBatch, False, False, "batch end"),
         (EndHookWithoutSuper, False, False, "next batch start"),
         (EndHookWithoutSuper, False, False, "epoch end"),
+        (WithoutMixin, False, False, "batch end"),
     ],
     ids=[
         "plain",
@@ -410,6 +431,7 @@ def assert_same_checkpoint(saved: dict, expected: dict) -> None:
         "two-steps-per-batch",
         "end-hook-without-super",
         "end-hook-without-super-last-step",
+        "monitor-without-mixin",
     ],
 )
 def test_ctrl_c_in_a_lightning_step_saves_a_checkpoint_that_resumes_exactly(
@@ -421,18 +443,36 @@ def test_ctrl_c_in_a_lightning_step_saves_a_checkpoint_that_resumes_exactly(
     would train that batch twice (or, with two steps per batch, lose the second). The mixin
     raises it at the end of the batch: the checkpoint is the one torch's AdamW gives for a
     Ctrl-C there, and resumes the same. A launcher's second copy of the signal changes
-    nothing; without the end hook's ``super()`` the next batch's start raises it."""
+    nothing; without the end hook's ``super()`` the next batch's start raises it; without the
+    mixin, the monitor raises it."""
     at = 5 if torch_at == "epoch end" else 2 * steps_per_batch(model)  # the last, or batch 3
     kwargs = {"force_staging": True, "overlap_step": overlap}
     ours = CtrlC(monkeypatch, at, "step", twice)
     saved, resumed = interrupted_then_resumed(tmp_path / "ours", monkeypatch, model, kwargs, ours)
     theirs = CtrlC(monkeypatch, at, torch_at)
     expected, reference = interrupted_then_resumed(
-        tmp_path / "torch", monkeypatch, model, {"optimizer": "torch"}, theirs
+        tmp_path / "torch",
+        monkeypatch,
+        TinyModel if model is WithoutMixin else model,
+        {"optimizer": "torch"},
+        theirs,
     )
     assert saved["global_step"] == at + steps_per_batch(model)
     assert_same_checkpoint(saved, expected)
     assert_same(list(resumed.parameters()), list(reference.parameters()))
+
+
+def test_with_the_mixin_every_callback_ends_the_batch_before_the_held_ctrl_c(tmp_path, monkeypatch):
+    """The monitor leaves the raise to the mixin's ``on_train_batch_end``, which runs after
+    every callback's: a checkpoint callback saving every step saves the interrupted one."""
+    every_step = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    callbacks = [CtrlC(monkeypatch, 2, "step"), OffloadMonitor(summary=False), every_step]
+    with pytest.raises(SystemExit):
+        trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True).fit(
+            TinyModel(force_staging=True)
+        )
+    saved = sorted(path.name for path in (tmp_path / "ckpt").iterdir())
+    assert saved == [f"epoch=0-step={step}.ckpt" for step in (1, 2, 3)]
 
 
 class FaultInStep(Callback):

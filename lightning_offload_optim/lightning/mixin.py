@@ -7,15 +7,17 @@ import math
 import re
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.trainer.states import TrainerStatus
 
 from lightning_offload_optim.adamw import OffloadAdamW
-from lightning_offload_optim.interrupts import SigintHold
+from lightning_offload_optim.lightning.batch_interrupt import (
+    hold_ctrl_c_until_batch_end,
+    raise_held_ctrl_c,
+)
 from lightning_offload_optim.lightning.checkpoint import (
     CHECKPOINT_KEY,
     check_metadata,
@@ -261,17 +263,9 @@ class OffloadOptimizerMixin:
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Hold Ctrl-C from the batch's first step of an OffloadAdamW to the batch's end
-        (:meth:`on_train_batch_end`). Raised from ``step()``, where the optimizer alone would
-        hold it, it would come before Lightning counts the step: a checkpoint saved on it
-        (``OnExceptionCheckpoint``) would hold the step's update with counters that do not,
-        and resuming would train the batch twice; in manual optimization a later step of the
-        same batch would be lost."""
+        (:mod:`~lightning_offload_optim.lightning.batch_interrupt`)."""
         super().on_before_optimizer_step(optimizer)  # type: ignore[misc]
-        trainer = getattr(self, "_trainer", None)
-        ours = isinstance(optimizer, OffloadAdamW) and trainer is not None
-        if ours and SigintHold.current() is None:  # else the batch's hold holds already
-            _SIGINT_HOLDS[self] = hold = SigintHold(_fitting(trainer))
-            hold.start()
+        hold_ctrl_c_until_batch_end(getattr(self, "_trainer", None), optimizer)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Raise a Ctrl-C held since the batch's first step: the counters, the schedulers and
@@ -290,9 +284,7 @@ class OffloadOptimizerMixin:
         super().on_train_epoch_end()  # type: ignore[misc]
 
     def _end_sigint_hold(self) -> None:
-        hold = _SIGINT_HOLDS.pop(self, None)
-        if hold is not None:
-            hold.end()
+        raise_held_ctrl_c(getattr(self, "_trainer", None))
 
     def _offload_optimizers(self) -> list[OffloadAdamW]:
         trainer = getattr(self, "_trainer", None)
@@ -351,17 +343,6 @@ class OffloadOptimizerMixin:
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_metadata(checkpoint)
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
-
-
-#: Each module's hold of Ctrl-C from its batch's first OffloadAdamW step to the batch's end;
-#: kept off the module, which would otherwise carry the process's SIGINT handler into copies.
-_SIGINT_HOLDS: weakref.WeakKeyDictionary[Any, SigintHold] = weakref.WeakKeyDictionary()
-
-
-def _fitting(trainer: pl.Trainer) -> Callable[[], bool]:
-    """Whether ``trainer`` still runs (an exception ends it without any of the module's hooks)."""
-    running = weakref.ref(trainer)
-    return lambda: (t := running()) is not None and t.state.status == TrainerStatus.RUNNING
 
 
 def _watch_training_step(module: OffloadOptimizerMixin) -> None:

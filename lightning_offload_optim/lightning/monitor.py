@@ -12,11 +12,16 @@ from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
 
 from lightning_offload_optim.adamw import OffloadAdamW
+from lightning_offload_optim.lightning.batch_interrupt import (
+    hold_ctrl_c_until_batch_end,
+    raise_held_ctrl_c,
+)
 from lightning_offload_optim.lightning.checkpoint import (
     CHECKPOINT_KEY,
     check_metadata,
     offload_metadata,
 )
+from lightning_offload_optim.lightning.mixin import OffloadOptimizerMixin
 from lightning_offload_optim.step_stats import StepRecord, StepStats
 
 #: Cumulative counters kept in the callback's checkpointed state.
@@ -56,6 +61,11 @@ class OffloadMonitor(Callback):
 
     On a CPU-only run parameters and state share the host: no copies are made (``h2d_ms`` is 0)
     unless the optimizer was built with ``force_staging=True``.
+
+    A Ctrl-C during a batch's optimizer steps is raised at the batch's end, after Lightning
+    counted them, as with the mixin, so the checkpoint ``OnExceptionCheckpoint`` saves resumes
+    exactly, also for a module that returns :class:`OffloadAdamW` from its own
+    ``configure_optimizers``.
 
     Args:
         prefix: prefix of every metric name.
@@ -108,9 +118,21 @@ class OffloadMonitor(Callback):
         # to the module's device only to be reduced across ranks when logged.
         self._interval = IntervalTotals()
 
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Hold Ctrl-C to the batch's end, also for a module without the mixin
+        (:mod:`~lightning_offload_optim.lightning.batch_interrupt`)."""
+        hold_ctrl_c_until_batch_end(trainer, optimizer)
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
+        self._log_batch(trainer, pl_module)
+        if not isinstance(pl_module, OffloadOptimizerMixin):  # else its hook, which runs next
+            raise_held_ctrl_c(trainer)
+
+    def _log_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._optimizers:
             return
         # Fold in steps whose events are done; keeps few events alive, never waits.
