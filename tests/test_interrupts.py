@@ -25,7 +25,8 @@ from conftest import (
     train_alike,
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
-from lightning_models import TinyModel, trainer
+from lightning_models import TinyModel, make_data, trainer
+from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadAdamW, OffloadMonitor, interrupts
 from lightning_offload_optim import adamw as adamw_module
@@ -473,6 +474,32 @@ def test_with_the_mixin_every_callback_ends_the_batch_before_the_held_ctrl_c(tmp
         )
     saved = sorted(path.name for path in (tmp_path / "ckpt").iterdir())
     assert saved == [f"epoch=0-step={step}.ckpt" for step in (1, 2, 3)]
+
+
+class ValidatedWithoutEndHook(EndHookWithoutSuper):
+    def validation_step(self, batch, batch_idx) -> None:
+        self.validated = True
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(4), batch_size=4)
+
+
+def test_a_held_ctrl_c_is_raised_before_validation_where_the_batch_end_hook_skips_super(
+    tmp_path, monkeypatch
+):
+    """Without the mixin's ``on_train_batch_end``, validation after the batch (which may take
+    minutes) must not run with the press held: ``on_validation_model_eval`` raises it."""
+    model = ValidatedWithoutEndHook(force_staging=True)
+    fit = trainer(
+        tmp_path,
+        callbacks=[CtrlC(monkeypatch, 1, "step")],
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+    )
+    with pytest.raises(SystemExit):
+        fit.fit(model)
+    assert fit.global_step == 2  # the press came in the step of batch 1, validated after it
+    assert not getattr(model, "validated", False)
 
 
 class FaultInStep(Callback):
