@@ -565,6 +565,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 weight_decay=h.weight_decay,
                 amsgrad=h.amsgrad,
                 maximize=h.maximize,
+                decoupled_weight_decay=h.decoupled_weight_decay,
             )
             if with_master:
                 torch._foreach_copy_(lists.params, targets)

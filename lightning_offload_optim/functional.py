@@ -33,11 +33,13 @@ def adamw_update(
     weight_decay: float,
     amsgrad: bool,
     maximize: bool,
+    decoupled_weight_decay: bool = True,
 ) -> None:
     """Apply one AdamW step in place to real tensors that share one device and dtype.
 
     ``steps`` hold each tensor's step count after this step's increment (one float32 scalar
     tensor per tensor, on the same device). ``max_exp_avg_sqs`` is ignored unless ``amsgrad``.
+    ``decoupled_weight_decay=False`` adds the decay to the gradient instead (L2, torch's Adam).
 
     Example:
         >>> p, g = torch.ones(4), torch.full((4,), 0.5)
@@ -52,7 +54,8 @@ def adamw_update(
     device = params[0].device
     if isinstance(lr, Tensor) and lr.device.type != "cpu" and lr.device != device:
         lr = lr.to(device, non_blocking=True)
-    torch._fused_adamw_(
+    kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+    kernel(
         params,
         grads,
         exp_avgs,

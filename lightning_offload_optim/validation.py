@@ -52,6 +52,14 @@ class Hyperparameters:
     weight_decay: float
     amsgrad: bool
     maximize: bool
+    decoupled_weight_decay: bool = True  # False: L2 decay added to the gradient, as torch's Adam
+
+
+def _scalar(value: Any) -> Any:
+    """A 1-element float tensor's value (torch's kernels take those too), else ``value``."""
+    if isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point():
+        return float(value)
+    return value
 
 
 def group_hyperparameters(group: Mapping[str, Any], index: int) -> Hyperparameters:
@@ -68,36 +76,33 @@ def group_hyperparameters(group: Mapping[str, Any], index: int) -> Hyperparamete
     if isinstance(lr, Tensor):
         if lr.numel() != 1 or not lr.is_floating_point():
             raise ValueError(f"{where} has lr={_kind(lr)}; a tensor lr must be 1-element float")
-    elif not (_is_number(lr) and math.isfinite(lr) and lr >= 0):
+    elif not (_is_number(lr) and math.isfinite(lr)):
+        # Any sign, as torch at step time: its LinearLR(end_factor=0) can end at -3e-21.
         raise ValueError(
-            f"{where} has lr={_kind(lr)}; lr must be a finite number >= 0 or a 1-element tensor"
+            f"{where} has lr={_kind(lr)}; lr must be a finite number or a 1-element tensor"
         )
     betas = group.get("betas")
+    if isinstance(betas, Tensor) and betas.shape == (2,):
+        betas = tuple(betas)
     if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
         raise ValueError(f"{where} has betas={betas!r}; betas must be a pair (beta1, beta2)")
     checked = []
-    for i, beta in enumerate(betas):
-        if isinstance(beta, Tensor) and beta.numel() == 1 and beta.is_floating_point():
-            beta = float(beta)
+    for i, beta in enumerate(map(_scalar, betas)):
         if not (_is_number(beta) and 0.0 <= beta < 1.0):
             raise ValueError(f"{where} has betas[{i}]={_kind(beta)}; it must be in [0, 1)")
         checked.append(float(beta))
     for name in ("eps", "weight_decay"):
-        value = group.get(name)
+        value = _scalar(group.get(name))
         if not (_is_number(value) and math.isfinite(value) and value >= 0):
             raise ValueError(f"{where} has {name}={_kind(value)}; it must be a finite number >= 0")
-    for name in ("amsgrad", "maximize"):
-        if not isinstance(group.get(name), bool):
-            raise ValueError(f"{where} has {name}={_kind(group.get(name))}; it must be a bool")
-    return Hyperparameters(
-        lr,
-        checked[0],
-        checked[1],
-        float(group["eps"]),
-        float(group["weight_decay"]),
-        group["amsgrad"],
-        group["maximize"],
-    )
+        checked.append(float(value))
+    flags = []
+    for name, default in (("amsgrad", None), ("maximize", None), ("decoupled_weight_decay", True)):
+        flag = group.get(name, default)
+        if not isinstance(flag, bool):
+            raise ValueError(f"{where} has {name}={_kind(flag)}; it must be a bool")
+        flags.append(flag)
+    return Hyperparameters(lr, *checked, *flags)
 
 
 # ------------------------------------------------------------------------------ gradients

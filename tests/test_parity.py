@@ -134,6 +134,61 @@ def test_tensor_lr(mode):
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_a_torch_schedule_ending_at_a_rounded_negative_lr_steps_like_torch(mode):
+    """torch's LinearLR(start_factor=0.1, end_factor=0.0) ends at lr = -3e-21, not 0: torch's
+    AdamW steps on; so must this one (it checks lr at every step, torch only when created)."""
+    params = make_params()
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=1e-3, **mode)
+    torch_opt = torch.optim.AdamW(reference, lr=1e-3, fused=True)
+    schedules = [
+        torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, end_factor=0.0, total_iters=7)
+        for opt in (offload, torch_opt)
+    ]
+    generator = torch.Generator().manual_seed(3)
+    lrs = []
+    for _ in range(10):
+        step_together([offload, torch_opt], [params, reference], generator, 1)
+        for schedule in schedules:
+            schedule.step()
+        lrs.append(offload.param_groups[0]["lr"])
+    assert min(lrs) < 0  # the schedule did go below zero
+    assert_same(params, reference)
+    assert_state_equal(offload, torch_opt, params, reference)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_l2_weight_decay_set_by_hand_steps_like_torch_adam(mode):
+    """``decoupled_weight_decay=False`` in a param group (torch's AdamW reads it at every step)
+    is Adam with L2 decay: equal to torch.optim.Adam(fused=True), not silently AdamW."""
+    params = make_params()
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=0.01, weight_decay=0.5, amsgrad=True, **mode)
+    offload.param_groups[0]["decoupled_weight_decay"] = False
+    torch_adam = torch.optim.Adam(reference, lr=0.01, weight_decay=0.5, amsgrad=True, fused=True)
+    step_together([offload, torch_adam], [params, reference], torch.Generator().manual_seed(4), 4)
+    assert_same(params, reference)
+    assert_state_equal(offload, torch_adam, params, reference)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_tensor_betas_eps_and_weight_decay_step_like_torch(mode):
+    """torch's fused AdamW takes 1-element tensors for eps and weight_decay, and betas as one
+    2-element tensor."""
+    params = make_params()
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=0.01, **mode)
+    torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    for opt in (offload, torch_opt):
+        opt.param_groups[0].update(
+            betas=torch.tensor([0.8, 0.99]), eps=torch.tensor(1e-3), weight_decay=torch.tensor(0.3)
+        )
+    step_together([offload, torch_opt], [params, reference], torch.Generator().manual_seed(5), 3)
+    assert_same(params, reference)
+    assert_state_equal(offload, torch_opt, params, reference)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 def test_missing_gradients_and_frozen_parameters(mode):
     # Parameter 1 is frozen (never a gradient); 3 has gradients only on even steps.
     params, reference, offload, torch_opt = run_side_by_side(
