@@ -423,8 +423,8 @@ class OffloadAdamW(torch.optim.AdamW):
                 if not state:  # a first step, or state cleared since
                     new.append((param, state_keys(param, group["amsgrad"])))
                     slot = None
-                elif slot is None or not isinstance(state.get("exp_avg"), Offloaded):
-                    foreign.append((param, g, position))  # not ours: written into .state
+                elif slot is None or _written_by_others(state):
+                    foreign.append((param, g, position))
                 elif group["amsgrad"] and "max_exp_avg_sq" not in slot.arena.keys:
                     raise RuntimeError(
                         f"{describe(g, position)} has no max_exp_avg_sq: amsgrad cannot be "
@@ -661,29 +661,31 @@ class OffloadAdamW(torch.optim.AdamW):
             post_hook(self)
 
     def _foreign_entries(self) -> list[tuple[Tensor, int, int]]:
-        """Parameters whose ``optimizer.state`` entry this optimizer did not write (it marks its
-        own with :class:`Offloaded`): ``ZeroRedundancyOptimizer.load_state_dict`` writes loaded
-        state straight into the inner optimizer's ``state``, and users edit it by hand."""
+        """Parameters whose ``optimizer.state`` entry holds state others wrote there."""
         return [
             (param, g, position)
             for g, group in enumerate(self.param_groups)
             for position, param in enumerate(group["params"])
-            if (entry := self.state.get(param)) and not isinstance(entry.get("exp_avg"), Offloaded)
+            if (entry := self.state.get(param)) and _written_by_others(entry)
         ]
 
     def _adopt_state(self, entries: list[tuple[Tensor, int, int]]) -> None:
-        """Move state found in ``optimizer.state`` into host buffers, checked as a load is."""
+        """Move state found in ``optimizer.state`` into host buffers, checked as a load is. Keys
+        that still hold :class:`Offloaded` marks (one moment replaced by hand) keep their values."""
         if not entries:
             return
-        matched = [
-            check_entry(
-                self.state[param],
-                param,
-                self.param_groups[g]["amsgrad"],
-                f"{describe(g, position)} (found in optimizer.state)",
-            )
-            for param, g, position in entries
-        ]
+        self._pipeline.wait_host()  # the values kept are read here
+        matched = []
+        for param, g, position in entries:
+            entry, slot = self.state[param], self._host.slots.get(param)
+            kept = {
+                key: like_param(param, slot.layout.unflat(slot.view(key)).clone())
+                for key, value in entry.items()
+                if isinstance(value, Offloaded) and slot is not None and key in slot.arena.keys
+            }
+            where = f"{describe(g, position)} (found in optimizer.state)"
+            amsgrad = self.param_groups[g]["amsgrad"]
+            matched.append(check_entry({**entry, **kept}, param, amsgrad, where))
         self._write_state(matched, replace=False)
 
     def _write_state(
@@ -858,7 +860,7 @@ class OffloadAdamW(torch.optim.AdamW):
         if not self.enabled:
             return {k: v.clone() for k, v in self.state.get(param, {}).items() if k != "step"}
         entry = self.state.get(param)
-        if entry and not isinstance(entry.get("exp_avg"), Offloaded):  # written there by others
+        if entry and _written_by_others(entry):
             self._adopt_state(self._foreign_entries())
         slot = self._host.slots.get(param)
         if slot is None or not self.state.get(param):
@@ -902,6 +904,17 @@ def _snapshot_lr(hyper: Hyperparameters, pipeline: StagingPipeline) -> Hyperpara
     snapshot = lr.clone()
     pipeline.used_by_update(snapshot)
     return dataclasses.replace(hyper, lr=snapshot)
+
+
+def _written_by_others(entry: dict[str, Any]) -> bool:
+    """Whether an ``optimizer.state`` entry holds state this optimizer did not write there (it
+    marks its own with :class:`Offloaded`): ``ZeroRedundancyOptimizer.load_state_dict`` writes
+    loaded state straight into the inner optimizer's ``state``, and users reset or replace
+    moments by hand."""
+    marked = ("exp_avg" in entry) and all(
+        isinstance(value, Offloaded) for key, value in entry.items() if key in OFFLOADED_KEYS
+    )
+    return not marked
 
 
 def _name(error: BaseException) -> str:

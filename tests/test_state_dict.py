@@ -18,6 +18,7 @@ from conftest import (
 )
 
 from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim.host_state import MOMENT_KEYS
 
 MODES = {"direct": {}, "staged": {"force_staging": True, "chunk_size": 128}}
 
@@ -461,6 +462,47 @@ def test_state_written_into_optimizer_state_is_adopted(written_on):
     step_together([opt, reference], [params, reference_params], generator, 2)
     assert_same(params, reference_params)
     assert_state_offloaded(opt, params)
+
+
+@pytest.mark.parametrize("written_on", ["step", "state_dict", "offloaded_state"])
+@pytest.mark.parametrize(
+    "mode", [{}, {"force_staging": True, "chunk_size": 64}], ids=["direct", "staged"]
+)
+def test_one_moment_replaced_by_hand_is_adopted_and_the_others_kept(written_on, mode):
+    """``opt.state[p]["exp_avg"] = zeros`` (a momentum reset) works in torch: the next step
+    uses the new moment and the state's other tensors as they were. Here the other keys still
+    hold their marks; they keep their values, whatever reads the state next."""
+    params = make_params()
+    reference_params = clone_params(params)
+    opt = OffloadAdamW(params, amsgrad=True, **mode)
+    reference = torch.optim.AdamW(reference_params, amsgrad=True, fused=True)
+    generator = torch.Generator().manual_seed(4)
+    step_together([opt, reference], [params, reference_params], generator, 2)
+    for p, r in zip(params[1:3], reference_params[1:3], strict=True):
+        opt.state[p]["exp_avg"] = torch.zeros_like(p)
+        reference.state[r]["exp_avg"] = torch.zeros_like(r)
+    if written_on == "state_dict":
+        opt.state_dict()
+    elif written_on == "offloaded_state":
+        assert torch.equal(opt.offloaded_state(params[2])["exp_avg"], torch.zeros_like(params[2]))
+    step_together([opt, reference], [params, reference_params], generator, 2)
+    assert_same(params, reference_params)
+    for p, r in zip(params, reference_params, strict=True):
+        state, expected = opt.offloaded_state(p), reference.state[r]
+        assert_same([state[k] for k in MOMENT_KEYS], [expected[k] for k in MOMENT_KEYS])
+    assert_state_offloaded(opt, params)
+
+
+def test_a_moment_replaced_by_hand_keeps_the_fp32_master_copy():
+    params = make_params(dtype=torch.bfloat16)
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    step_together([opt], [params], torch.Generator().manual_seed(6), 2)
+    before = opt.offloaded_state(params[0])
+    opt.state[params[0]]["exp_avg_sq"] = torch.ones_like(params[0], dtype=torch.float32)
+    after = opt.offloaded_state(params[0])
+    assert torch.equal(after["master_param"], before["master_param"])
+    assert torch.equal(after["exp_avg"], before["exp_avg"])
+    assert torch.equal(after["exp_avg_sq"], torch.ones_like(before["exp_avg_sq"]))
 
 
 def test_loading_own_entries_swapped_between_parameters():
