@@ -13,7 +13,9 @@ parameters after their update, on the device (the host never blocks):
   stepped one) waits for all updates: the backward may write gradients the updates still
   read, and not only where a gradient was kept: ``DistributedDataParallel(
   gradient_as_bucket_view=True)`` zeroes and all-reduces its persistent gradient buckets, the
-  slots of parameters the forward skipped included, as soon as the first gradient arrives;
+  slots of parameters the forward skipped included, as soon as the first gradient arrives
+  (under FSDP2 it never fires: autograd sees the unsharded parameters, and each unit's
+  forward pre-hook has waited for the updates that read its sharded gradients already);
 - ``zero_grad(set_to_none=False)``, ``load_state_dict`` and reads of the host state wait for
   everything (the optimizer calls :meth:`ForwardOverlap.wait_all` or the pipeline does), and
   the next ``step()`` queues its updates after these on the same stream;
