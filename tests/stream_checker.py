@@ -19,8 +19,14 @@ host memory without ``non_blocking=True`` (a synchronous copy) or returns a Pyth
 Accesses are recorded per storage address. An op's fresh output starts a new history; so does any
 access through a storage other than the one that last used the address: memory is also allocated
 where no op output shows it (FSDP2 regrows parameter storage with ``untyped_storage().resize_()``),
-and the CPU's malloc hands freed memory out again at once, where the caching allocator would hold
-it until the streams named by ``record_stream`` are done with it (not simulated here).
+and the CPU's malloc hands freed memory out again at once.
+
+The caching allocator is simulated where it frees and allocates: a device storage belongs to the
+stream current when it was allocated, which may reuse its memory as soon as it is freed, for its
+next allocation. Another stream's use of freed memory conflicts with that next allocation unless
+it is ordered before it (an event the allocating stream waited for, or the host waited for), or
+``tensor.record_stream(stream)`` named that stream (the simulated streams are of type
+``torch.Stream``, so the calls reach the checker).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,12 +57,20 @@ def _join(a: Clock, b: Clock) -> Clock:
     return {k: max(a.get(k, 0), b.get(k, 0)) for k in a.keys() | b.keys()}
 
 
-class SimStream:
-    """A simulated stream: a vector clock that counts the work queued on it."""
+class SimStream(torch.Stream):
+    """A simulated stream: a vector clock that counts the work queued on it. A ``torch.Stream``
+    (of the CPU) so that ``tensor.record_stream`` takes it; compared by identity."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __new__(cls, checker: StreamChecker, name: str) -> SimStream:
+        # ``record_stream`` receives a plain torch.Stream with the same stream_id: the id.
+        return super().__new__(cls, stream_id=next(checker.ids), device_index=-1, device_type=0)
 
     def __init__(self, checker: StreamChecker, name: str) -> None:
         self.checker = checker
-        self.id = next(checker.ids)
+        self.id = self.stream_id
         self.name = name
         self.clock: Clock = {self.id: 0}
 
@@ -153,6 +168,9 @@ class _Recorder(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
         kwargs = kwargs or {}
+        if func is torch.ops.aten.record_stream.default:  # no CPU kernel: the checker's alone
+            self.checker.record_stream(*args, **kwargs)
+            return None
         out = func(*args, **kwargs)
         if any(isinstance(t, FakeTensor) for t in _tensors((args, kwargs))):
             return out  # tracing (FSDP2's hooks trace some ops even with the compile ignored)
@@ -182,6 +200,15 @@ class StreamChecker:
         self.host_storages: set[int] = set()
         self.history: dict[int, list[Access]] = {}
         self.owners: dict[int, StorageWeakRef] = {}  # per address, the storage last seen there
+        #: Per device storage address: the stream that allocated it, the streams named by
+        #: ``record_stream``, and whether its free is checked (another stream used it).
+        self.allocated_on: dict[int, SimStream] = {}
+        self.recorded: dict[int, set[int]] = {}
+        self.watched: set[int] = set()
+        #: Per stream id, other streams' uses of memory it freed: (actor, tick, description),
+        #: to be ordered before its next allocation.
+        self.freed_in_use: dict[int, list[tuple[int, int, str]]] = {}
+        self.active = False
         self.violations: list[str] = []
         self._stack = contextlib.ExitStack()
 
@@ -213,9 +240,11 @@ class StreamChecker:
         for name in ("Stream", "Event", "current_stream", "stream"):
             patch(torch.cpu, name, getattr(module, name))
         self._stack.enter_context(_Recorder(self))
+        self.active = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.active = False  # storages freed later are not checked
         self._stack.close()
 
     def expect_none(self) -> None:
@@ -252,7 +281,9 @@ class StreamChecker:
         touches_host = any(self._is_host(t) for t in tensors)
         on_host = all(self._is_host(t) for t in tensors)
         for tensor in outputs:  # fresh memory: forget what earlier owners of the bytes did
-            self.history.pop(tensor.untyped_storage().data_ptr(), None)
+            key = tensor.untyped_storage().data_ptr()
+            self.history.pop(key, None)
+            self.allocated_on[key] = self.current
             accesses.append((tensor, True))
         if on_host:
             self.host[HOST] += 1
@@ -260,6 +291,8 @@ class StreamChecker:
         else:
             stream = self.current
             stream.clock = _join(stream.clock, self.host)  # queued after the host's past
+            if outputs:
+                self._allocating(stream)
             stream.clock[stream.id] += 1
             actor, clock, where = stream.id, stream.clock, stream.name
         what = f"{name} on {where}"
@@ -279,8 +312,51 @@ class StreamChecker:
         if owner is None or owner.expired() or owner.cdata != storage._cdata:
             self.history.pop(key, None)
             self.host_storages.discard(key)
+            self.allocated_on.pop(key, None)
+            self.recorded.pop(key, None)
+            self.watched.discard(key)
             self.owners[key] = StorageWeakRef(storage)
         return key
+
+    def record_stream(self, tensor: torch.Tensor, stream: torch.Stream) -> None:
+        key = self._claim(tensor.untyped_storage())
+        self.recorded.setdefault(key, set()).add(stream.stream_id)
+
+    def _watch_free(self, storage: torch.UntypedStorage, key: int) -> None:
+        """Check, when ``storage`` is freed, that the allocator could not hand its memory out
+        while another stream still uses it."""
+        self.watched.add(key)
+        checker, cdata = weakref.ref(self), storage._cdata
+
+        def freed() -> None:
+            if (live := checker()) is not None:
+                live._freed(key, cdata)
+
+        weakref.finalize(storage, freed).atexit = False
+
+    def _freed(self, key: int, cdata: int) -> None:
+        owner = self.owners.get(key)
+        if not self.active or owner is None or owner.cdata != cdata:
+            return
+        allocator = self.allocated_on[key]
+        recorded = self.recorded.get(key, set())
+        in_use = self.freed_in_use.setdefault(allocator.id, [])
+        for earlier in self.history.get(key, []):
+            if earlier.actor not in (HOST, allocator.id) and earlier.actor not in recorded:
+                what = (
+                    f"device memory ([{earlier.start}, {earlier.stop})) that {earlier.what} "
+                    f"{'wrote' if earlier.write else 'read'}, freed with no record_stream of "
+                    f"that stream, was free for the next allocation of {allocator.name}"
+                )
+                in_use.append((earlier.actor, earlier.tick, what))
+        self.history.pop(key, None)
+        self.watched.discard(key)
+
+    def _allocating(self, stream: SimStream) -> None:
+        """``stream`` allocates: memory it freed must no longer be in use by other streams."""
+        for actor, tick, what in self.freed_in_use.pop(stream.id, []):
+            if max(stream.clock.get(actor, 0), self.host.get(actor, 0)) < tick:
+                self.violations.append(f"{what}, which came before that use was done")
 
     def _is_host(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self.host_storages
@@ -294,9 +370,15 @@ class StreamChecker:
         extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
         start = tensor.storage_offset() * size
         stop = start + extent * size
-        key = tensor.untyped_storage().data_ptr()
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
         history = self.history.setdefault(key, [])
-        kind = "host buffer" if key in self.host_storages else "device memory"
+        host = key in self.host_storages
+        kind = "host buffer" if host else "device memory"
+        allocator = self.allocated_on.get(key)  # None: allocated out of sight (another thread)
+        unseen = host or allocator is None or key in self.watched
+        if not unseen and actor not in (HOST, allocator.id):
+            self._watch_free(storage, key)
         for earlier in history:
             overlaps = earlier.start < stop and start < earlier.stop
             if not overlaps or not (write or earlier.write):
