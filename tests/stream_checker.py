@@ -95,6 +95,7 @@ class SimEvent:
 
     def __init__(self, checker: StreamChecker, enable_timing: bool = False) -> None:
         self.checker = checker
+        self.enable_timing = enable_timing
         self.clock: Clock | None = None
         self.time = 0.0
 
@@ -115,6 +116,13 @@ class SimEvent:
         )
 
     def elapsed_time(self, end: SimEvent) -> float:
+        """As CUDA's: both events timed, recorded and done, else an error."""
+        for event in (self, end):
+            if not event.enable_timing or event.clock is None or not event.query():
+                raise RuntimeError(
+                    "elapsed_time of an event created without enable_timing, not recorded or "
+                    "not done yet"
+                )
         return (end.time - self.time) * 1000
 
 
