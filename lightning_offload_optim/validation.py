@@ -207,6 +207,8 @@ def check_entry(entry: Any, param: Tensor, amsgrad: bool, where: str) -> LoadedE
             f"loaded state for {where} is {_kind(entry)}; expected a dict of state such as "
             "'step', 'exp_avg' and 'exp_avg_sq'"
         )
+    # A max_exp_avg_sq kept after amsgrad was switched off is kept, as torch keeps it.
+    amsgrad = amsgrad or "max_exp_avg_sq" in entry
     required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
     missing = [k for k in required if k not in entry]
     if missing:

@@ -505,6 +505,28 @@ def test_a_moment_replaced_by_hand_keeps_the_fp32_master_copy():
     assert torch.equal(after["exp_avg_sq"], torch.ones_like(before["exp_avg_sq"]))
 
 
+@pytest.mark.parametrize("into", ["offload", "torch"])
+def test_max_exp_avg_sq_kept_after_amsgrad_is_switched_off_survives_a_load(into):
+    """torch keeps ``max_exp_avg_sq`` when amsgrad is switched off by hand, saves and loads it,
+    and can switch amsgrad on again; a load here must not drop it."""
+    params = make_params()
+    reference_params = clone_params(params)
+    opt = OffloadAdamW(params, amsgrad=True)
+    reference = torch.optim.AdamW(reference_params, amsgrad=True, fused=True)
+    generator = torch.Generator().manual_seed(8)
+    step_together([opt, reference], [params, reference_params], generator, 2)
+    for optimizer in (opt, reference):
+        optimizer.param_groups[0]["amsgrad"] = False
+    step_together([opt, reference], [params, reference_params], generator, 1)
+    saved = save_and_load(opt.state_dict() if into == "offload" else reference.state_dict())
+    opt.load_state_dict(saved)
+    assert all("max_exp_avg_sq" in entry for entry in opt.state_dict()["state"].values())
+    for optimizer in (opt, reference):
+        optimizer.param_groups[0]["amsgrad"] = True
+    step_together([opt, reference], [params, reference_params], generator, 2)
+    assert_same(params, reference_params)
+
+
 def test_loading_own_entries_swapped_between_parameters():
     """Entries that view this optimizer's own buffers, each loaded into another parameter:
     writing them in place one by one would read already-overwritten values."""
