@@ -911,10 +911,13 @@ def _written_by_others(entry: dict[str, Any]) -> bool:
     marks its own with :class:`Offloaded`): ``ZeroRedundancyOptimizer.load_state_dict`` writes
     loaded state straight into the inner optimizer's ``state``, and users reset or replace
     moments by hand."""
-    marked = ("exp_avg" in entry) and all(
-        isinstance(value, Offloaded) for key, value in entry.items() if key in OFFLOADED_KEYS
-    )
-    return not marked
+    for key, value in entry.items():  # a loop, not all(): it runs per parameter and step
+        if key in _OFFLOADED and not isinstance(value, Offloaded):
+            return True
+    return "exp_avg" not in entry
+
+
+_OFFLOADED = frozenset(OFFLOADED_KEYS)
 
 
 def _name(error: BaseException) -> str:
