@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from lightning_offload_optim import OffloadAdamW, OffloadMonitor, interrupts
 from lightning_offload_optim import adamw as adamw_module
 from lightning_offload_optim.interrupts import keyboard_interrupts_held
+from lightning_offload_optim.lightning.batch_interrupt import hold_ctrl_c_until_batch_end
 
 
 @pytest.fixture(autouse=True)
@@ -247,6 +248,27 @@ def test_an_update_in_another_thread_leaves_the_main_threads_hold_alone(monkeypa
     assert not hold.holding
 
 
+def test_a_trainer_stepping_in_another_thread_leaves_a_stale_hold_to_the_main_thread():
+    """A hold whose trainer stopped is ended where it is found, which only the main thread may
+    do (``signal.signal``): a fit in another thread holds nothing and must not fail on it."""
+    stale = interrupts.SigintHold(alive=lambda: False)
+    stale.start()
+    optimizer = OffloadAdamW(make_params())
+    errors = []
+
+    def step_hook() -> None:
+        try:
+            hold_ctrl_c_until_batch_end(Callback(), optimizer)  # any weakly referable trainer
+        except Exception as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=step_hook)
+    thread.start()
+    thread.join()
+    assert errors == []
+    assert stale.holding  # left to the main thread
+
+
 def test_a_hold_whose_owner_stopped_delivers_at_once():
     """A hold whose end never came (Lightning skips the module's hooks after an exception, and
     its own restore of the handlers when a callback's ``on_exception`` raises) must not swallow
@@ -375,6 +397,10 @@ class WithoutMixin(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters({"nan_at_batch": -1})
         self.net = TinyModel().net
+        self.batch_ends: list[int] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.batch_ends.append(self.trainer.global_step)
 
     def configure_optimizers(self) -> OffloadAdamW:
         groups = self.reference_param_groups()
@@ -385,16 +411,17 @@ def interrupted_then_resumed(
     root, monkeypatch, model: type[TinyModel], model_kwargs, ctrl_c: CtrlC
 ) -> tuple[dict, TinyModel]:
     """The checkpoint ``OnExceptionCheckpoint`` saves after ``ctrl_c`` and the model resumed
-    from it to the end (6 batches)."""
+    from it to the end (6 batches); with the monitor only where the module has no mixin."""
     on_exception = OnExceptionCheckpoint(root / "ckpt", "interrupted")
-    callbacks = [ctrl_c, OffloadMonitor(summary=False), on_exception]
+    monitor = [OffloadMonitor(summary=False)] if model is WithoutMixin else []
+    callbacks = [ctrl_c, *monitor, on_exception]
     with pytest.raises(SystemExit):  # Lightning exits after a KeyboardInterrupt
         trainer(root, callbacks=callbacks, enable_checkpointing=True).fit(model(**model_kwargs))
     monkeypatch.undo()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
     path = root / "ckpt" / "interrupted.ckpt"
     resumed = model(**model_kwargs)
-    resume = trainer(root / "resumed", max_steps=6 * steps_per_batch(model), callbacks=callbacks[1])
+    resume = trainer(root / "resumed", max_steps=6 * steps_per_batch(model), callbacks=monitor)
     resume.fit(resumed, ckpt_path=path)
     return torch.load(path, weights_only=False), resumed
 
@@ -423,7 +450,8 @@ def assert_same_checkpoint(saved: dict, expected: dict) -> None:
         (TwoStepsPerBatch, False, False, "batch end"),
         (EndHookWithoutSuper, False, False, "next batch start"),
         (EndHookWithoutSuper, False, False, "epoch end"),
-        (WithoutMixin, False, False, "batch end"),
+        (WithoutMixin, False, False, "next batch start"),
+        (WithoutMixin, False, False, "epoch end"),
     ],
     ids=[
         "plain",
@@ -433,6 +461,7 @@ def assert_same_checkpoint(saved: dict, expected: dict) -> None:
         "end-hook-without-super",
         "end-hook-without-super-last-step",
         "monitor-without-mixin",
+        "monitor-without-mixin-last-step",
     ],
 )
 def test_ctrl_c_in_a_lightning_step_saves_a_checkpoint_that_resumes_exactly(
@@ -444,8 +473,8 @@ def test_ctrl_c_in_a_lightning_step_saves_a_checkpoint_that_resumes_exactly(
     would train that batch twice (or, with two steps per batch, lose the second). The mixin
     raises it at the end of the batch: the checkpoint is the one torch's AdamW gives for a
     Ctrl-C there, and resumes the same. A launcher's second copy of the signal changes
-    nothing; without the end hook's ``super()`` the next batch's start raises it; without the
-    mixin, the monitor raises it."""
+    nothing; without the end hook's ``super()``, or without the mixin but with the monitor,
+    the next batch's start or the epoch's end raises it."""
     at = 5 if torch_at == "epoch end" else 2 * steps_per_batch(model)  # the last, or batch 3
     kwargs = {"force_staging": True, "overlap_step": overlap}
     ours = CtrlC(monkeypatch, at, "step", twice)
@@ -463,17 +492,29 @@ def test_ctrl_c_in_a_lightning_step_saves_a_checkpoint_that_resumes_exactly(
     assert_same(list(resumed.parameters()), list(reference.parameters()))
 
 
-def test_with_the_mixin_every_callback_ends_the_batch_before_the_held_ctrl_c(tmp_path, monkeypatch):
-    """The monitor leaves the raise to the mixin's ``on_train_batch_end``, which runs after
-    every callback's: a checkpoint callback saving every step saves the interrupted one."""
-    every_step = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
-    callbacks = [CtrlC(monkeypatch, 2, "step"), OffloadMonitor(summary=False), every_step]
+class BatchEnds(Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("model", [TinyModel, WithoutMixin], ids=["mixin", "monitor-only"])
+def test_every_batch_end_hook_runs_before_the_held_ctrl_c(tmp_path, monkeypatch, model):
+    """The hold ends after every ``on_train_batch_end`` (in the mixin's, which runs last, or in
+    the monitor's next hook): a callback after the monitor and a checkpoint callback saving
+    every step (Lightning runs it last) see the interrupted step; so does, without the mixin,
+    the module's own hook."""
+    after, every_step = BatchEnds(), ModelCheckpoint(tmp_path, every_n_train_steps=1, save_top_k=-1)
+    callbacks = [CtrlC(monkeypatch, 2, "step"), OffloadMonitor(summary=False), after, every_step]
+    module = model(force_staging=True)
     with pytest.raises(SystemExit):
-        trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True).fit(
-            TinyModel(force_staging=True)
-        )
-    saved = sorted(path.name for path in (tmp_path / "ckpt").iterdir())
+        trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True).fit(module)
+    assert after.steps == [1, 2, 3]
+    saved = sorted(path.name for path in tmp_path.glob("*.ckpt"))
     assert saved == [f"epoch=0-step={step}.ckpt" for step in (1, 2, 3)]
+    assert getattr(module, "batch_ends", [1, 2, 3]) == [1, 2, 3]
 
 
 class ValidatedWithoutEndHook(EndHookWithoutSuper):
@@ -484,15 +525,24 @@ class ValidatedWithoutEndHook(EndHookWithoutSuper):
         return DataLoader(make_data(4), batch_size=4)
 
 
-def test_a_held_ctrl_c_is_raised_before_validation_where_the_batch_end_hook_skips_super(
-    tmp_path, monkeypatch
-):
-    """Without the mixin's ``on_train_batch_end``, validation after the batch (which may take
-    minutes) must not run with the press held: ``on_validation_model_eval`` raises it."""
-    model = ValidatedWithoutEndHook(force_staging=True)
+class ValidatedWithoutMixin(WithoutMixin):
+    validation_step = ValidatedWithoutEndHook.validation_step
+    val_dataloader = ValidatedWithoutEndHook.val_dataloader
+
+
+@pytest.mark.parametrize(
+    "model", [ValidatedWithoutEndHook, ValidatedWithoutMixin], ids=["mixin", "monitor-only"]
+)
+def test_a_held_ctrl_c_is_raised_before_validation_after_the_batch(tmp_path, monkeypatch, model):
+    """Where the batch's end hooks do not raise it (the mixin's skipped by an override without
+    ``super()``; the monitor's next hooks without the mixin), validation after the batch (which
+    may take minutes) must not run with the press held: ``on_validation_model_eval`` or the
+    monitor's ``on_validation_start`` raises it."""
+    model = model(force_staging=True)
+    monitor = [OffloadMonitor(summary=False)] if isinstance(model, WithoutMixin) else []
     fit = trainer(
         tmp_path,
-        callbacks=[CtrlC(monkeypatch, 1, "step")],
+        callbacks=[CtrlC(monkeypatch, 1, "step"), *monitor],
         val_check_interval=2,
         num_sanity_val_steps=0,
     )

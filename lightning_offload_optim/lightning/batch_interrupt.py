@@ -4,13 +4,14 @@ Raised from ``step()`` (where the optimizer alone would hold it, :mod:`..interru
 come before Lightning counts the step: a checkpoint saved on it (``OnExceptionCheckpoint``)
 would hold the step's update with loop counters that do not, and resuming would train the
 batch twice; in manual optimization a later step of the same batch would be lost. Held from the
-batch's first :class:`OffloadAdamW` step to ``on_train_batch_end``, it comes where a Ctrl-C
-with torch's AdamW could, and the checkpoint resumes the same. The mixin and the monitor both
-hold it (a module without the mixin still gets it from the monitor); one hold per trainer.
+batch's first :class:`OffloadAdamW` step to after the batch's end hooks, it comes where a
+Ctrl-C with torch's AdamW could, and the checkpoint resumes the same. The mixin and the monitor
+both hold it (a module without the mixin still gets it from the monitor); one hold per trainer.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -33,6 +34,8 @@ def hold_ctrl_c_until_batch_end(
     (a later step of the batch finds it held already)."""
     if trainer is None or not isinstance(optimizer, OffloadAdamW):
         return
+    if threading.current_thread() is not threading.main_thread():
+        return  # signals reach the main thread only (and a stale hold is ended only there)
     if SigintHold.current() is None:
         _HOLDS[trainer] = hold = SigintHold(_fitting(trainer))
         hold.start()

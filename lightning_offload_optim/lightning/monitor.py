@@ -21,7 +21,6 @@ from lightning_offload_optim.lightning.checkpoint import (
     check_metadata,
     offload_metadata,
 )
-from lightning_offload_optim.lightning.mixin import OffloadOptimizerMixin
 from lightning_offload_optim.step_stats import StepRecord, StepStats
 
 #: Cumulative counters kept in the callback's checkpointed state.
@@ -62,9 +61,9 @@ class OffloadMonitor(Callback):
     On a CPU-only run parameters and state share the host: no copies are made (``h2d_ms`` is 0)
     unless the optimizer was built with ``force_staging=True``.
 
-    A Ctrl-C during a batch's optimizer steps is raised at the batch's end, after Lightning
-    counted them, as with the mixin, so the checkpoint ``OnExceptionCheckpoint`` saves resumes
-    exactly, also for a module that returns :class:`OffloadAdamW` from its own
+    A Ctrl-C during a batch's optimizer steps is raised after the batch's end hooks, after
+    Lightning counted the steps, as with the mixin, so the checkpoint ``OnExceptionCheckpoint``
+    saves resumes exactly, also for a module that returns :class:`OffloadAdamW` from its own
     ``configure_optimizers``.
 
     Args:
@@ -122,17 +121,24 @@ class OffloadMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Hold Ctrl-C to the batch's end, also for a module without the mixin
-        (:mod:`~lightning_offload_optim.lightning.batch_interrupt`)."""
+        (:mod:`~lightning_offload_optim.lightning.batch_interrupt`). The mixin's
+        ``on_train_batch_end`` ends the hold after every callback's; without the mixin the
+        monitor ends it at the next hook after all of them: the next batch's start,
+        validation's start or the epoch's end."""
         hold_ctrl_c_until_batch_end(trainer, optimizer)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        raise_held_ctrl_c(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise_held_ctrl_c(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise_held_ctrl_c(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
-        self._log_batch(trainer, pl_module)
-        if not isinstance(pl_module, OffloadOptimizerMixin):  # else its hook, which runs next
-            raise_held_ctrl_c(trainer)
-
-    def _log_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._optimizers:
             return
         # Fold in steps whose events are done; keeps few events alive, never waits.
