@@ -674,12 +674,11 @@ class OffloadAdamW(torch.optim.AdamW):
         that still hold :class:`Offloaded` marks (one moment replaced by hand) keep their values."""
         if not entries:
             return
-        self._pipeline.wait_host()  # the values kept are read here
         matched = []
         for param, g, position in entries:
             entry, slot = self.state[param], self._host.slots.get(param)
-            kept = {
-                key: like_param(param, slot.layout.unflat(slot.view(key)).clone())
+            kept = {  # views of the buffers themselves: written in place, never copied
+                key: like_param(param, slot.layout.unflat(slot.view(key)))
                 for key, value in entry.items()
                 if isinstance(value, Offloaded) and slot is not None and key in slot.arena.keys
             }
@@ -703,7 +702,8 @@ class OffloadAdamW(torch.optim.AdamW):
         drops every other slot.
         """
         self._pipeline.wait_host()  # the sources may be views of this optimizer's own buffers
-        self._drop_stale_masters(matched)
+        if replace:  # a load (adopted entries keep their own master copies as they are)
+            self._drop_stale_masters(matched)
         requests = [(m.param, state_keys(m.param, m.amsgrad)) for m in matched]
         # A load of some parameters only would keep the others' buffers alive with nothing in them.
         whole = not replace or len(requests) == len(self._host.slots)

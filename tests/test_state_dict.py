@@ -493,13 +493,17 @@ def test_one_moment_replaced_by_hand_is_adopted_and_the_others_kept(written_on, 
     assert_state_offloaded(opt, params)
 
 
-def test_a_moment_replaced_by_hand_keeps_the_fp32_master_copy():
+def test_a_moment_replaced_by_hand_keeps_the_fp32_master_copy(recwarn):
+    """Also where the bf16 weight was edited by hand since (the master copy is authoritative)."""
     params = make_params(dtype=torch.bfloat16)
     opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
     step_together([opt], [params], torch.Generator().manual_seed(6), 2)
     before = opt.offloaded_state(params[0])
+    with torch.no_grad():
+        params[0].add_(1.0)
     opt.state[params[0]]["exp_avg_sq"] = torch.ones_like(params[0], dtype=torch.float32)
     after = opt.offloaded_state(params[0])
+    assert not recwarn.list
     assert torch.equal(after["master_param"], before["master_param"])
     assert torch.equal(after["exp_avg"], before["exp_avg"])
     assert torch.equal(after["exp_avg_sq"], torch.ones_like(before["exp_avg_sq"]))
