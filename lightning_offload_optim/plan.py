@@ -307,9 +307,16 @@ def _from_config(config: Any, name: str, dtype: torch.dtype) -> _Model:
             "tie_word_embeddings, attention_bias, mlp_bias)"
         )
     vocab, hidden, inter, layers, heads = (int(_config_value(config, k)) for k in _REQUIRED_KEYS)
-    kv_heads = int(_config_value(config, "num_key_value_heads") or heads)
-    head_dim = int(_config_value(config, "head_dim") or hidden // heads)
-    if min(vocab, hidden, inter, layers, heads, kv_heads, head_dim) < 1:
+
+    def optional(key: str, default: int) -> int:  # an explicit 0 is a size, checked below
+        value = _config_value(config, key)
+        return default if value is None else int(value)
+
+    if min(vocab, hidden, inter, layers, heads) < 1:
+        raise ValueError(f"config {name} has a size below 1")
+    kv_heads = optional("num_key_value_heads", heads)
+    head_dim = optional("head_dim", hidden // heads)
+    if min(kv_heads, head_dim) < 1:
         raise ValueError(f"config {name} has a size below 1")
     attention_bias = bool(_config_value(config, "attention_bias"))
     mlp_bias = bool(_config_value(config, "mlp_bias"))

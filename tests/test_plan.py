@@ -226,6 +226,74 @@ def test_fits_leaves_headroom():
     assert tight.adamw.fits_host is True
 
 
+def test_fits_counts_headroom_the_exact_limit_and_the_whole_node():
+    device = plan(1000, **MACHINE).offload.gpu.device
+    assert plan(1000, gpu_memory=device, host_memory=GB, headroom=0.0).offload.fits_gpu
+    tight = plan("7b", precision="bf16-true", gpu_memory=29 * GB, host_memory=1000 * GB)
+    assert 0.9 * 29 * GB < tight.offload.gpu.device <= 29 * GB  # in the 10% headroom
+    assert tight.offload.fits_gpu is False
+    node = plan("7b", precision="bf16-true", gpus=8, gpu_memory=80 * GB, host_memory=100 * GB)
+    assert node.offload.gpu.host < 90 * GB < node.offload.node.host  # one rank fits, 8 do not
+    assert node.offload.fits_host is False
+
+
+def test_torch_amsgrad_keeps_three_moments_on_the_device():
+    assert plan(1000, amsgrad=True, **MACHINE).adamw.gpu.device_state == 3 * 1000 * 4
+
+
+def test_uneven_fsdp2_shards_per_rank():
+    """37 rows on 2 ranks: rank 0 holds 19 (the figure per GPU), gradients padded alike; 5 rows
+    on 4 ranks: 2, 2, 1 and none."""
+    uneven = plan(37, strategy="fsdp2", gpus=2, pin_memory=False, **MACHINE)
+    assert uneven.offload.gpu.host_state == uneven.adamw.gpu.device_state == 19 * 8
+    assert uneven.offload.node.grads == uneven.offload.node.params == 2 * 19 * 4
+    sparse = plan(5, strategy="fsdp2", gpus=4, pin_memory=False, **MACHINE)
+    assert [sparse.memory_stats(r)["state_bytes"] for r in range(4)] == [16, 16, 8, 0]
+
+
+def test_ddp_memory_stats_of_every_rank_are_the_whole_state():
+    ddp = plan(1000, gpus=2, strategy="ddp", **MACHINE)
+    assert ddp.memory_stats(1) == ddp.memory_stats(0)
+
+
+def test_modules_keep_their_own_dtypes_and_units():
+    frozen = plan(nn.Linear(4, 4).requires_grad_(False), **MACHINE)
+    assert frozen.memory_stats()["pinned"] is False  # nothing to pin
+    own = plan(nn.Linear(3, 3), **MACHINE)
+    assert own.precision is None and "parameters' own dtypes" in own.format()
+    ids = nn.Module()
+    ids.w = nn.Parameter(torch.zeros(10))
+    ids.ids = nn.Parameter(torch.zeros(10, dtype=torch.int64), requires_grad=False)
+    assert plan(ids, precision="bf16-true", **MACHINE).offload.gpu.params == 10 * 2 + 10 * 8
+    blocks = nn.Module()
+    blocks.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(40, 40)])
+    assert plan(blocks, strategy="fsdp2", **MACHINE).unit_parameters == 40 * 40 + 40
+    mixed = nn.Module()
+    mixed.big = nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16))
+    mixed.small = nn.Parameter(torch.zeros(10))
+    unit = plan(mixed, strategy="fsdp2", unit_params=100, **MACHINE)
+    assert unit.offload.gpu.unsharded == 100 * 2  # in the dtype most parameters have
+    none = plan(10, strategy="fsdp2", unit_params=0, **MACHINE)
+    assert none.offload.gpu.unsharded == 0 and none.unit_parameters == 0
+
+
+def test_config_defaults_and_biases():
+    """Key-value heads default to the heads (Llama-1 configs have none); Qwen2-style configs
+    add biases to the attention and MLP projections."""
+    no_kv = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
+    assert plan(no_kv, **MACHINE).parameters == plan({**TINY, "num_key_value_heads": 4}).parameters
+    biased = plan({**TINY, "attention_bias": True, "mlp_bias": True}, **MACHINE).parameters
+    hidden, inter, layers, head_dim = 64, 172, 3, 16
+    q_o, k_v = 2 * hidden, 2 * 2 * head_dim  # 4 heads, 2 key-value heads
+    assert biased - plan(TINY, **MACHINE).parameters == layers * (q_o + k_v + 2 * inter + hidden)
+
+
+def test_note_gives_what_is_left_on_one_gpu():
+    two = plan(10**6, gpus=2, pin_memory=False, **MACHINE)
+    left = (80 * GB - two.offload.gpu.device) / GB
+    assert f"{left:.2f} GB with OffloadAdamW" in " ".join(two.format().split())
+
+
 def test_exported_from_the_package():
     assert lightning_offload_optim.plan is plan
     assert isinstance(plan(10, **MACHINE), MemoryPlan)
@@ -242,6 +310,11 @@ def test_exported_from_the_package():
         (10, {"chunk_size": 32}, "chunk_size must be an int of at least 64"),
         (10, {"headroom": 1.0}, "headroom must be in"),
         (-5, {}, "the parameter count must be at least 1"),
+        (0, {}, "the parameter count must be at least 1"),
+        ({**TINY, "num_hidden_layers": 0}, {}, "has a size below 1"),
+        ({**TINY, "num_attention_heads": 0}, {}, "has a size below 1"),
+        ({**TINY, "num_key_value_heads": 0}, {}, "has a size below 1"),
+        ({**TINY, "head_dim": 0}, {}, "has a size below 1"),
         ({"vocab_size": 10, "hidden_size": 8}, {}, "lacks intermediate_size, num_hidden_layers"),
         ("8b", {}, "neither a preset"),
     ],
@@ -275,3 +348,5 @@ def test_cli_takes_counts_and_refuses_bad_input(capsys):
     with pytest.raises(SystemExit):
         main(["7b", "--gpus", "0"])
     assert "gpus must be an int of at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["7.5"])  # not truncated to 7 parameters
