@@ -37,7 +37,14 @@ def assert_unchanged(opt, params, before):
     saved_params, saved_state = before
     assert_same(params, saved_params)
     now = opt.state_dict()
-    assert now["param_groups"] == saved_state["param_groups"]
+    assert len(now["param_groups"]) == len(saved_state["param_groups"])
+    for group, saved in zip(now["param_groups"], saved_state["param_groups"], strict=True):
+        assert group.keys() == saved.keys()
+        for key, value in group.items():  # lr may be a tensor of any shape (refused)
+            if torch.is_tensor(value):
+                assert torch.equal(value, saved[key]), key
+            else:
+                assert value is saved[key] or value == saved[key], key  # nan is nan
     for index, entry in saved_state["state"].items():
         assert_same(list(now["state"][index].values()), list(entry.values()))
 
@@ -276,6 +283,12 @@ def three_groups(params):
         ("eps", -1e-8, r"param group 2 has eps=-1e-08"),
         ("weight_decay", "0.1", r"param group 2 has weight_decay='0.1'"),
         ("amsgrad", None, r"param group 2 has amsgrad=None"),
+        ("lr", True, r"param group 2 has lr=True \(bool\)"),
+        ("eps", True, r"param group 2 has eps=True \(bool\)"),
+        ("lr", torch.tensor([0.1, 0.2]), r"param group 2 has lr=.*1-element float"),
+        ("lr", torch.tensor(1), r"param group 2 has lr=.*1-element float"),
+        ("eps", float("inf"), r"param group 2 has eps=inf"),
+        ("weight_decay", float("inf"), r"param group 2 has weight_decay=inf"),
     ],
 )
 @pytest.mark.parametrize(
@@ -422,8 +435,10 @@ def test_non_tensor_state_is_refused_naming_parameter_and_key(key, value):
         (torch.tensor(3.0, device="meta"), "on meta"),
         (torch.tensor([1.0, 2.0]), r"shape \(2,\)"),
         (-1.0, "is -1.0"),
+        (float("inf"), "is inf"),
+        (torch.tensor(float("nan")), "is a torch.float32 tensor"),
     ],
-    ids=["None", "str", "meta", "two-elements", "negative"],
+    ids=["None", "str", "meta", "two-elements", "negative", "inf", "nan"],
 )
 def test_bad_step_entry_is_refused_before_anything_changes(step, message):
     """Refused after the step counts, learning rates and new host buffers were installed."""
@@ -435,6 +450,16 @@ def test_bad_step_entry_is_refused_before_anything_changes(step, message):
     with pytest.raises(ValueError, match=rf"loaded 'step' for parameter 2 .*{message}"):
         opt.load_state_dict(broken)
     assert opt.param_groups[0]["lr"] == twin.param_groups[0]["lr"]
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
+def test_an_amsgrad_checkpoint_without_max_exp_avg_sq_is_refused():
+    """Not loaded as if amsgrad were off, to fail at the next step with a misleading message."""
+    (opt, params), (twin, twin_params) = twins(amsgrad=True)
+    broken = copy.deepcopy(opt.state_dict())
+    del broken["state"][1]["max_exp_avg_sq"]
+    with pytest.raises(KeyError, match=r"parameter 1 .* is missing \['max_exp_avg_sq'\]"):
+        opt.load_state_dict(broken)
     assert_steps_like_twin(opt, params, twin, twin_params)
 
 
@@ -454,6 +479,14 @@ def malformed(state_dict: dict, how: str) -> dict:
         broken["param_groups"] = "groups"
     elif how == "integer-moment":
         broken["state"][0]["exp_avg"] = torch.zeros(300, 7, dtype=torch.int64)
+    elif how == "version-zero":
+        broken["offload_format_version"] = 0
+    elif how == "group-without-params":
+        del broken["param_groups"][0]["params"]
+    elif how == "state-a-list":
+        broken["state"] = list(broken["state"].values())
+    elif how == "meta-moment":
+        broken["state"][1]["exp_avg"] = torch.empty(5, device="meta")
     return broken
 
 
@@ -469,6 +502,10 @@ def malformed(state_dict: dict, how: str) -> dict:
         ("transposed-moment", r"'exp_avg' for parameter 0 .* shape \(7, 300\), the parameter"),
         ("groups-not-a-list", r"'param_groups' must be a list of dicts"),
         ("integer-moment", r"'exp_avg' for parameter 0 .* is torch.int64"),
+        ("version-zero", r"format version is 0 \(int\); format versions are integers >= 1"),
+        ("group-without-params", r"'param_groups' must be a list of dicts with a 'params' list"),
+        ("state-a-list", r"the loaded 'state' must be a dict, got list"),
+        ("meta-moment", r"'exp_avg' for parameter 1 .* is on the meta device"),
     ],
 )
 def test_malformed_checkpoint_errors_name_the_real_problem(how, message):

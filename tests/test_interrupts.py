@@ -269,6 +269,100 @@ def test_a_trainer_stepping_in_another_thread_leaves_a_stale_hold_to_the_main_th
     assert stale.holding  # left to the main thread
 
 
+def test_an_update_under_an_ended_hold_installed_again_still_runs_whole():
+    """Lightning restores the handler it saved during a hold (the hold itself, ended since):
+    an update then holds SIGINT on its own instead of joining the ended hold."""
+    hold = interrupts.SigintHold()
+    hold.start()
+    saved = signal.getsignal(signal.SIGINT)
+    hold.end()
+    signal.signal(signal.SIGINT, saved)
+    inside = []
+    with pytest.raises(KeyboardInterrupt), keyboard_interrupts_held():
+        signal.raise_signal(signal.SIGINT)
+        inside.append("update finished")
+    assert inside == ["update finished"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_hold_ended_while_replaced_gives_sigint_back_once_restored():
+    """A fit replaces the handler during the hold and restores the ended hold later: the next
+    press reaches the handler the hold had taken over, which is installed again."""
+    received = []
+
+    def handler(signum, frame):
+        received.append(signum)
+
+    signal.signal(signal.SIGINT, handler)
+    hold = interrupts.SigintHold()
+    hold.start()
+    saved = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    hold.end()  # no longer holding: only forgets it holds
+    signal.signal(signal.SIGINT, saved)
+    signal.raise_signal(signal.SIGINT)
+    assert received == [signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_a_press_that_could_not_be_delivered_is_not_delivered_by_a_later_hold():
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    hold = interrupts.SigintHold()
+    hold.start()
+    signal.raise_signal(signal.SIGINT)  # held
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(-signum))  # taken over
+    hold.end()  # cannot deliver: not holding any more
+    hold.start()
+    hold.end()  # no press in this hold
+    assert received == []
+
+
+def test_an_insisting_press_waits_for_the_outermost_update(monkeypatch):
+    monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    hold = interrupts.SigintHold()
+    hold.start()
+    signal.raise_signal(signal.SIGINT)
+    with keyboard_interrupts_held():
+        with keyboard_interrupts_held():
+            signal.raise_signal(signal.SIGINT)  # the user insists
+        assert received == []  # the outer update still runs
+    assert received == [signal.SIGINT]
+
+
+def test_holds_that_cannot_hold_change_nothing(monkeypatch):
+    """A second hold while one holds, a hold outside the main thread, and one where SIGINT is
+    handled outside Python (``getsignal`` gives None) leave the handler as it was."""
+    first, second = interrupts.SigintHold(), interrupts.SigintHold()
+    first.start()
+    second.start()
+    assert not second.holding
+    first.end()
+    second.end()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    errors = []
+
+    def elsewhere() -> None:
+        try:
+            hold = interrupts.SigintHold()
+            hold.start()
+            hold.end()
+        except Exception as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert errors == []
+    monkeypatch.setattr(signal, "getsignal", lambda signum: None)
+    outside = interrupts.SigintHold()
+    outside.start()
+    outside.end()
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_hold_whose_owner_stopped_delivers_at_once():
     """A hold whose end never came (Lightning skips the module's hooks after an exception, and
     its own restore of the handlers when a callback's ``on_exception`` raises) must not swallow

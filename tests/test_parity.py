@@ -30,6 +30,7 @@ HYPERPARAMETERS = {
     "maximize": {"maximize": True},
     "amsgrad": {"amsgrad": True},
     "betas_eps": {"betas": (0.8, 0.95), "eps": 1e-5},
+    "beta1_zero": {"betas": (0.0, 0.999)},  # no momentum: valid, as in torch
     "all": {"lr": 0.02, "weight_decay": 0.2, "amsgrad": True, "maximize": True},
 }
 

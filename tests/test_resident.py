@@ -14,6 +14,7 @@ from conftest import assert_same, clone_params, make_params, step_together
 
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim import resident as resident_module
+from lightning_offload_optim.resident import ResidentRanges, free_device_memory
 
 SHAPES = [(64, 3), (100,), (64, 5), (7,), (640,)]  # 192, 100, 320, 7, 640 elements
 STATE = 8 * (192 + 100 + 320 + 7 + 640)
@@ -166,3 +167,16 @@ def test_auto_does_not_shrink_when_it_chooses_again(monkeypatch):
     before = opt.memory_stats()["resident_bytes"]
     step_together([opt], [params], generator, 2)  # the last parameter joins: choose again
     assert opt.memory_stats()["resident_bytes"] >= before > 0
+
+
+def test_resident_ranges_are_merged_and_empty_ones_dropped():
+    """Adjacent parameters kept resident form one range (chunks may span their boundary)."""
+    ranges = ResidentRanges.of([(10, 20), (0, 10), (30, 30), (40, 50)])
+    assert ranges.ranges == ((0, 20), (40, 50))
+    assert ranges.edges == {0, 20, 40, 50}
+    assert ranges.device_start(5, 15) == 5
+    assert ranges.device_start(45, 50) == 25
+
+
+def test_no_free_memory_figure_off_cuda():
+    assert free_device_memory(torch.device("meta")) is None

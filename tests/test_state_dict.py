@@ -531,6 +531,26 @@ def test_max_exp_avg_sq_kept_after_amsgrad_is_switched_off_survives_a_load(into)
     assert_same(params, reference_params)
 
 
+@pytest.mark.parametrize(
+    "step", [torch.tensor(2, dtype=torch.int32), torch.tensor(0.0), 0], ids=["int32", "zero", "0"]
+)
+def test_step_counts_of_any_valid_kind_load_as_in_torch(step):
+    """A step count of 0 and integer tensors of either width are valid entries."""
+    params = make_params()
+    opt = OffloadAdamW(params)
+    generator = torch.Generator().manual_seed(9)
+    step_together([opt], [params], generator, 2)
+    reference_params = clone_params(params)
+    saved = save_and_load(opt.state_dict())
+    saved["state"][1]["step"] = step
+    reference = torch.optim.AdamW(reference_params, fused=True)
+    reference.load_state_dict(save_and_load(saved))
+    opt.load_state_dict(saved)
+    assert float(opt.state[params[1]]["step"]) == float(step)
+    step_together([opt, reference], [params, reference_params], generator, 2)
+    assert_same(params, reference_params)
+
+
 def test_loading_own_entries_swapped_between_parameters():
     """Entries that view this optimizer's own buffers, each loaded into another parameter:
     writing them in place one by one would read already-overwritten values."""
