@@ -75,14 +75,6 @@ class StepRecord:
     def add_seconds(self, kind: str, seconds: float) -> None:
         self._seconds[kind] += seconds
 
-    def absorb(self, other: StepRecord) -> None:
-        """Count ``other``'s spans and bytes in this record (copies queued ahead of the step)."""
-        self._events += other._events
-        for kind, seconds in other._seconds.items():
-            self._seconds[kind] += seconds
-        self.bytes_in += other.bytes_in
-        self.bytes_out += other.bytes_out
-
     def poll(self) -> StepStats | None:
         """The figures if every event has completed, else None; never blocks."""
         if self._result is None and all(end.query() for _, _, end in self._events):

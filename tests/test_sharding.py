@@ -12,6 +12,7 @@ import io
 import pytest
 import torch
 from conftest import assert_same
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from lightning_offload_optim import OffloadAdamW
@@ -131,3 +132,113 @@ def test_fsdp2_overlapped_steps_wait_before_each_units_all_gather(mesh):
     checker.expect_none()
     ours = [p.full_tensor() for p in model.parameters()]
     assert_same(ours, [p.full_tensor() for p in reference.parameters()])
+
+
+def _dtensor_params(mesh, shapes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=generator), mesh, [Shard(0)]))
+        for s in shapes
+    ]
+
+
+def test_gradient_sharded_otherwise_than_its_parameter_is_refused(mesh):
+    (param,) = _dtensor_params(mesh, [(4, 3)])
+    before = param.detach().full_tensor().clone()
+    opt = OffloadAdamW([param], lr=0.1)
+    param.grad = distribute_tensor(torch.ones(4, 3), mesh, [Replicate()])
+    with pytest.raises(RuntimeError, match="sharded alike"):
+        opt.step()
+    assert_same([param.detach().full_tensor()], [before])
+
+
+def test_gradient_on_another_mesh_is_refused(mesh):
+    (param,) = _dtensor_params(mesh, [(4, 3)])
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
+    assert other != mesh
+    opt = OffloadAdamW([param], lr=0.1)
+    param.grad = distribute_tensor(torch.ones(4, 3), other, [Shard(0)])
+    with pytest.raises(RuntimeError, match="sharded alike"):
+        opt.step()
+
+
+def test_sharded_gradient_of_a_plain_parameter_is_refused(mesh):
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    opt = OffloadAdamW([param], lr=0.1)
+    param.grad = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+    with pytest.raises(RuntimeError, match="sharded alike"):
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "shapes", [[(6, 5), (3, 7), (5,)], [(6, 5), (0, 3), (5,)]], ids=["dense", "empty"]
+)
+def test_state_of_parameters_past_the_first_saves_and_copies_like_torch(mesh, shapes):
+    """Every parameter but the first has its state at an offset into the arena: saved,
+    loaded and deep-copied state dicts hold torch AdamW's values (and no view of the host)."""
+    params = _dtensor_params(mesh, shapes)
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = OffloadAdamW(params, lr=0.1)
+    torch_opt = torch.optim.AdamW(reference, lr=0.1, fused=True)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for p, r in zip(params, reference, strict=True):
+            g = torch.randn(p.shape, generator=generator)
+            p.grad = distribute_tensor(g, mesh, [Shard(0)])
+            r.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+        opt.step()
+        torch_opt.step()
+    ours, theirs = opt.state_dict()["state"], torch_opt.state_dict()["state"]
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(ours), torch.load(buffer, weights_only=True)):
+        for index in range(len(shapes)):
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = copied[index][key]
+                assert isinstance(value, DTensor)
+                assert not opt._host.overlaps(value.to_local())
+                assert_same([value.full_tensor()], [theirs[index][key].full_tensor()])
+
+
+def test_state_of_low_precision_dtensor_parameters_is_float32_throughout(mesh):
+    """bf16 parameters keep fp32 state: the DTensor's dtype must say so, as its shard does."""
+    generator = torch.Generator().manual_seed(0)
+    params = [
+        torch.nn.Parameter(
+            distribute_tensor(
+                torch.randn(s, generator=generator, dtype=torch.bfloat16), mesh, [Shard(0)]
+            )
+        )
+        for s in [(6, 5), (3,)]
+    ]
+    opt = OffloadAdamW(params, lr=0.1)
+    for p in params:
+        p.grad = distribute_tensor(
+            torch.randn(p.shape, generator=generator, dtype=torch.bfloat16), mesh, [Shard(0)]
+        )
+    opt.step()
+    for entry in opt.state_dict()["state"].values():
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            value = entry[key]
+            assert value.dtype == value.to_local().dtype == torch.float32
+            assert value.full_tensor().dtype == torch.float32
+    copied = copy.deepcopy(opt.state_dict())
+    assert copied["state"][0]["exp_avg"].dtype == torch.float32
+
+
+def test_state_on_another_mesh_with_the_same_placements_is_refused(mesh):
+    (param,) = _dtensor_params(mesh, [(4, 4)])
+    opt = OffloadAdamW([param], lr=0.1)
+    param.grad = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    opt.step()
+    saved = opt.state_dict()
+    before = opt.offloaded_state(param)["exp_avg"].full_tensor()
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
+    entry = saved["state"][0]
+    entry["exp_avg"] = DTensor.from_local(
+        entry["exp_avg"].to_local().clone() + 1, other, [Shard(0)]
+    )
+    with pytest.raises(ValueError, match=r"torch\.distributed\.checkpoint"):
+        opt.load_state_dict(saved)
+    assert_same([opt.offloaded_state(param)["exp_avg"].full_tensor()], [before])
