@@ -680,3 +680,28 @@ def test_a_fitted_module_does_not_carry_the_sigint_handler(tmp_path):
     model = TinyModel(force_staging=True)
     trainer(tmp_path).fit(model)
     pickle.loads(pickle.dumps(model))
+
+
+class RecordsHoldsInSteps(TinyModel):
+    """Records, in each optimizer's step, whether a Ctrl-C hold is on."""
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        self.held: list[bool] = []
+        # A post-hook: Lightning runs the closure (and on_before_optimizer_step) inside step().
+        optimizer.register_step_post_hook(
+            lambda *_: self.held.append(interrupts.SigintHold.current() is not None)
+        )
+        return optimizer
+
+
+def test_no_ctrl_c_is_held_for_a_torch_optimizer(tmp_path):
+    """Only OffloadAdamW's steps hold Ctrl-C to the batch's end; a torch optimizer returned by a
+    module with the mixin, under the monitor, is interrupted where torch alone would be."""
+    model = RecordsHoldsInSteps(optimizer="torch")
+    trainer(tmp_path, max_steps=3, callbacks=[OffloadMonitor(summary=False)]).fit(model)
+    assert model.held == [False, False, False]
+
+    offload = RecordsHoldsInSteps()
+    trainer(tmp_path / "offload", max_steps=3).fit(offload)
+    assert offload.held == [True, True, True]  # the check above can see a hold

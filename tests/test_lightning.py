@@ -10,7 +10,13 @@ import pytest
 import torch
 from conftest import assert_same
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning_models import ManualModel, TinyModel, TwoOptimizerModel, trainer
+from lightning_models import (
+    ManualModel,
+    TinyModel,
+    TwoOptimizerModel,
+    torch_reference,
+    trainer,
+)
 
 from lightning_offload_optim import OffloadAdamW, OffloadOptimizerMixin
 
@@ -223,3 +229,144 @@ def test_the_mixins_optimizer_is_freed_without_the_cycle_collector(overlap_step)
         assert buffers() is None
     finally:
         gc.enable()
+
+
+class Configured(OffloadOptimizerMixin, pl.LightningModule):
+    def __init__(self, **hparams) -> None:
+        super().__init__()
+        self.save_hyperparameters(hparams)
+        self.linear = torch.nn.Linear(4, 4)
+
+
+def test_every_offload_hparam_reaches_the_optimizer():
+    optimizer = Configured(
+        eps=1e-5,
+        offload_chunk_size=256,
+        offload_pin_memory=False,
+        offload_enabled=False,
+        offload_resident=0.5,
+    ).configure_optimizers()
+    assert isinstance(optimizer, OffloadAdamW)
+    assert all(g["eps"] == 1e-5 for g in optimizer.param_groups)
+    assert optimizer.chunk_size == 256
+    assert optimizer.pin_memory is False
+    assert optimizer.enabled is False
+    assert optimizer.resident == 0.5
+
+
+def test_defaults_leave_resident_and_chunk_size_to_the_optimizer():
+    optimizer = Configured().configure_optimizers()
+    assert optimizer.resident is None and optimizer.enabled is True
+    assert optimizer.chunk_size == OffloadAdamW([torch.nn.Parameter(torch.zeros(1))]).chunk_size
+
+
+class EpsModel(TinyModel):
+    """TinyModel with a large eps, which changes every update visibly."""
+
+    def __init__(self, optimizer: str = "offload") -> None:
+        super().__init__(optimizer)
+        self.save_hyperparameters({"eps": 1e-2})
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "offload":
+            return super().configure_optimizers()
+        return torch_reference(
+            {"params": self.reference_param_groups(), "lr": 0.01, "weight_decay": 0.1, "eps": 1e-2}
+        )
+
+
+def test_eps_hparam_trains_like_torch_adamw_with_that_eps(tmp_path):
+    models = []
+    for optimizer in ("offload", "torch"):
+        model = EpsModel(optimizer)
+        trainer(tmp_path / optimizer).fit(model)
+        models.append(model)
+    assert_same(list(models[0].parameters()), list(models[1].parameters()))
+
+
+class TwoBackbones(OffloadOptimizerMixin, pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.save_hyperparameters({"lr": 0.01, "weight_decay": 0.1})
+        torch.manual_seed(0)
+        self.first = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        self.second = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        self.head = torch.nn.Linear(4, 1)
+        for p in [*self.first.parameters(), *self.second.parameters()]:
+            p.requires_grad_(False)
+
+
+def test_each_group_added_later_gets_its_own_link():
+    """Two backbones unfrozen one after the other (BaseFinetuning): an lr set by hand on the
+    second's no-decay half reaches its decayed half, never the first backbone's groups."""
+    model = TwoBackbones()
+    optimizer = model.configure_optimizers()
+    for backbone in (model.first, model.second):
+        backbone.requires_grad_(True)
+        optimizer.add_param_group({"params": list(backbone.parameters()), "lr": 0.001})
+    assert len(optimizer.param_groups) == 6  # head decay + head bias, then 2 halves each
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # an epoch trains at the lrs the groups were added with
+    optimizer.param_groups[-1]["lr"] = 0.005  # BackboneFinetuning sets param_groups[-1]
+    optimizer.step()
+    assert [g["lr"] for g in optimizer.param_groups] == [0.01, 0.01, 0.001, 0.001, 0.005, 0.005]
+
+
+class BiasFree(OffloadOptimizerMixin, pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 4, bias=False)
+
+
+def test_a_model_without_biases_or_norms_has_one_group_that_takes_a_torch_checkpoint():
+    """No empty no-decay group: the groups match torch's AdamW over the same parameters, so an
+    optimizer state saved by torch (one group) loads into the mixin's optimizer."""
+    model = BiasFree()
+    optimizer = model.configure_optimizers()
+    assert [len(g["params"]) for g in optimizer.param_groups] == [1]
+    reference = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+    model.linear.weight.grad = torch.ones_like(model.linear.weight)
+    reference.step()
+    optimizer.load_state_dict(reference.state_dict())
+    assert optimizer.state_dict()["state"][0]["step"] == 1
+
+
+def test_a_group_added_without_decay_is_added_whole():
+    """Nothing to spare in a ``weight_decay=0`` group: it is added as given, one group in the
+    given order, as torch's add_param_group adds it (a split would change the group count that
+    checkpoints and ``param_groups[-1]`` users rely on)."""
+    model = TwoBackbones()
+    optimizer = model.configure_optimizers()
+    params = list(model.first.parameters())
+    optimizer.add_param_group({"params": params, "lr": 0.001, "weight_decay": 0.0})
+    assert len(optimizer.param_groups) == 3
+    assert [id(p) for p in optimizer.param_groups[-1]["params"]] == [id(p) for p in params]
+    assert optimizer.param_groups[-1]["weight_decay"] == 0.0
+
+
+def test_offload_disabled_with_overlap_step_trains_like_torch_adamw(tmp_path):
+    """``offload_enabled=False`` switches offloading off for a config that also asks for
+    ``overlap_step``: there is nothing to overlap, and the run is torch's AdamW."""
+    model = TinyModel(overlap_step=True)
+    model.hparams.offload_enabled = False
+    reference = TinyModel(optimizer="torch")
+    trainer(tmp_path / "offload").fit(model)
+    trainer(tmp_path / "torch").fit(reference)
+    assert model.trainer.optimizers[0]._overlapping() is None
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+
+
+def test_offload_overlap_blocks_reach_overlap_with():
+    """What ``offload_overlap_blocks`` returns is given to ``overlap_with`` (checked there: a
+    module outside the overlapped one is refused)."""
+
+    class WrongBlocks(TinyModel):
+        def offload_overlap_blocks(self):
+            return [torch.nn.Linear(2, 2)]  # not a submodule
+
+    with pytest.raises(ValueError, match="blocks must be submodules"):
+        WrongBlocks(overlap_step=True, force_staging=True).configure_optimizers()
+    TinyModel(overlap_step=True, force_staging=True).configure_optimizers()  # no blocks: fine

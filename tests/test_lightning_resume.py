@@ -10,8 +10,12 @@ from conftest import assert_same, assert_state_offloaded
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_models import TinyModel, trainer
 
-from lightning_offload_optim import OffloadMonitor
-from lightning_offload_optim.lightning.checkpoint import CHECKPOINT_KEY, FORMAT_VERSION
+from lightning_offload_optim import OffloadAdamW, OffloadMonitor
+from lightning_offload_optim.lightning.checkpoint import (
+    CHECKPOINT_KEY,
+    FORMAT_VERSION,
+    offload_metadata,
+)
 
 TOTAL_STEPS = 8  # two epochs of four batches
 
@@ -131,3 +135,26 @@ def test_overlapped_steps_fit_save_and_resume_like_torch(tmp_path, stream_order)
     # No wait here: the mixin's on_train_end ordered reads of the weights after the updates.
     assert_same(list(resumed.parameters()), list(reference.parameters()))
     stream_order.expect_none()
+
+
+def test_metadata_records_each_offload_optimizers_own_settings():
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(3)]
+    optimizers = [
+        OffloadAdamW([params[0]], enabled=False),
+        torch.optim.AdamW([params[1]]),
+        OffloadAdamW([params[2]], chunk_size=64, pin_memory=False),
+    ]
+    assert offload_metadata(optimizers)["optimizers"] == [
+        {"index": 0, "enabled": False, "chunk_size": optimizers[0].chunk_size, "pin_memory": False},
+        {"index": 2, "enabled": True, "chunk_size": 64, "pin_memory": False},
+    ]
+
+
+def test_a_disabled_offload_run_records_enabled_false(tmp_path):
+    model = TinyModel()
+    model.hparams.offload_enabled = False  # plain torch AdamW behaviour
+    saver = ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=2, save_top_k=-1)
+    trainer(tmp_path, max_steps=2, callbacks=[saver], enable_checkpointing=True).fit(model)
+    saved = torch.load(tmp_path / "ckpt" / "step=2.ckpt", weights_only=False)
+    (entry,) = saved[CHECKPOINT_KEY]["optimizers"]
+    assert entry["enabled"] is False

@@ -533,3 +533,165 @@ def test_factor_past_the_end_stays_at_the_minimum():
         [1.0, 0.3, 0.3, 0.3], rel=1e-12
     )
     assert schedule.factor(2) == pytest.approx(0.3 + 0.7 * (1 + math.cos(math.pi / 2)) / 2)
+
+
+def _param() -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.float64, requires_grad=True)
+
+
+def test_min_lr_ratio_one_is_accepted_and_means_constant_after_warmup():
+    """min_lr_ratio is documented as [0, 1]: 1.0 (warm-up, then the peak lr) is a valid choice."""
+    optimizer = torch.optim.SGD([_param()], lr=0.1)
+    reference_opt = torch.optim.SGD([_param()], lr=0.1)
+    schedule = WarmupCosineLR(optimizer, warmup_steps=3, total_steps=10, min_lr_ratio=1.0)
+    reference = torch.optim.lr_scheduler.LambdaLR(
+        reference_opt, lambda s: reference_lr_factor(3, 10, 1.0, s)
+    )
+    for _ in range(12):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(
+            reference_opt.param_groups[0]["lr"], rel=1e-12
+        )
+        optimizer.step()
+        schedule.step()
+        reference_opt.step()
+        reference.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1, rel=1e-12)
+
+
+def test_hand_set_lr_between_the_step_and_the_scheduler_step_reaches_linked_groups():
+    """Lightning steps a step-interval scheduler after ``on_train_batch_end``: an lr set by hand
+    there (after ``optimizer.step()``, before ``scheduler.step()``) on one linked group must reach
+    the groups linked to it, as one set before the step does."""
+    optimizer = torch.optim.SGD([{"params": [_param()], "lr": 1.0}], lr=1.0)
+    for _ in range(2):
+        optimizer.add_param_group({"params": [_param()], "lr": 0.1, LINKED_GROUP_KEY: 3})
+    schedule = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
+    used = []
+    for step in range(8):
+        for group in optimizer.param_groups:
+            (p,) = group["params"]
+            p.data.zero_()
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        used.append([-g["params"][0].item() for g in optimizer.param_groups])
+        if step == 3:  # after step 3's update, before the scheduler moves to step 4
+            optimizer.param_groups[2]["lr"] = 0.4
+        schedule.step()
+
+    def factor(s: int) -> float:
+        return reference_lr_factor(2, 10, 0.2, s)
+
+    for step, (first, *linked) in enumerate(used):
+        assert first == pytest.approx(factor(step), rel=1e-12), step
+        # 0.4 was set while step 3's factor was in effect: both halves scale it alike
+        expected = 0.1 * factor(step) if step <= 3 else 0.4 * factor(step) / factor(3)
+        assert linked == pytest.approx([expected, expected], rel=1e-12), step
+
+
+def test_take_set_lrs_as_peaks_after_the_first_step_changes_nothing():
+    """Documented: after the first step a hand-set lr is the current one, not a peak, so
+    ``take_set_lrs_as_peaks`` leaves it (and the schedule from it) alone."""
+    optimizer = torch.optim.SGD([_param()], lr=1.0)
+    schedule = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
+    for _ in range(3):
+        optimizer.step()
+        schedule.step()
+    optimizer.param_groups[0]["lr"] = 0.5  # set by hand while step 3's factor is in effect
+    schedule.take_set_lrs_as_peaks()
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    optimizer.step()
+    schedule.step()
+
+    def factor(s: int) -> float:
+        return reference_lr_factor(2, 10, 0.2, s)
+
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * factor(4) / factor(3), rel=1e-12)
+
+
+def test_a_scheduler_rebuilt_with_last_epoch_continues_from_added_and_hand_set_groups():
+    """torch's way to resume outside Lightning: a new scheduler built with ``last_epoch`` reads
+    each group's ``initial_lr``. A group added mid-way and a group whose lr was set by hand must
+    carry the base lr the schedule uses for them, so the rebuilt scheduler continues the same."""
+    optimizer = torch.optim.SGD([{"params": [_param()], "lr": 1.0}, {"params": [_param()]}], lr=1.0)
+    schedule = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
+    for step in range(5):
+        if step == 1:
+            optimizer.add_param_group({"params": [_param()], "lr": 0.3})
+        if step == 3:
+            optimizer.param_groups[1]["lr"] = 0.5
+        optimizer.step()
+        schedule.step()
+    before = [g["lr"] for g in optimizer.param_groups]
+    rebuilt = WarmupCosineLR(optimizer, 2, 10, 0.2, last_epoch=schedule.last_epoch - 1)
+    assert rebuilt.last_epoch == schedule.last_epoch
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(before, rel=1e-12)
+
+
+def _legacy_state(schedule: WarmupCosineLR) -> dict:
+    """The state dict 0.1 wrote: LambdaLR(WarmupCosine) keeps the lambda object's attributes
+    under ``lr_lambdas`` and has neither the shape keys nor ``_written``."""
+    state = {k: v for k, v in schedule.state_dict().items() if k not in ("_written",)}
+    for name in ("warmup_steps", "total_steps", "min_lr_ratio"):
+        state.pop(name)
+    state["lr_lambdas"] = [{"warmup": 2, "total": 10, "min_ratio": 0.2}]
+    return state
+
+
+def test_a_legacy_lambda_lr_checkpoint_resumes_on_the_schedule():
+    def run(resume_at: int | None) -> list[float]:
+        optimizer = torch.optim.SGD([_param()], lr=1.0)
+        schedule = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
+        lrs = []
+        for step in range(10):
+            if step == resume_at:
+                saved_opt, saved_sched = optimizer.state_dict(), _legacy_state(schedule)
+                optimizer = torch.optim.SGD([_param()], lr=1.0)
+                schedule = WarmupCosineLR(
+                    optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2
+                )
+                optimizer.load_state_dict(saved_opt)  # Lightning's order: optimizer first
+                schedule.load_state_dict(saved_sched)
+            lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.step()
+        return lrs
+
+    expected = [reference_lr_factor(2, 10, 0.2, s) for s in range(10)]
+    assert run(None) == pytest.approx(expected, rel=1e-12)
+    assert run(4) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_legacy_lambda_lr_checkpoint_resumed_with_a_longer_horizon_follows_it():
+    """The 0.1 schedule's shape is read from ``lr_lambdas``: a resume whose Trainer plans more
+    steps warns and follows this run's horizon from the restored step, as for a current one."""
+    optimizer = torch.optim.SGD([_param()], lr=1.0)
+    schedule = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
+    for _ in range(4):
+        optimizer.step()
+        schedule.step()
+    saved_opt, saved_sched = optimizer.state_dict(), _legacy_state(schedule)
+
+    optimizer = torch.optim.SGD([_param()], lr=1.0)
+    schedule = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=20, min_lr_ratio=0.2)
+    optimizer.load_state_dict(saved_opt)
+    with pytest.warns(UserWarning, match="'total_steps': 10"):
+        schedule.load_state_dict(saved_sched)
+    lrs = []
+    for _ in range(4, 12):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert lrs == pytest.approx(
+        [reference_lr_factor(2, 20, 0.2, s) for s in range(4, 12)], rel=1e-12
+    )
+
+
+def test_get_last_lr_reports_the_peaks_taken_before_the_first_step():
+    """After ``take_set_lrs_as_peaks`` (the LR finder's suggestion), ``get_last_lr()`` (what
+    user code and loggers read) gives the lrs the first step uses, not the discarded ones."""
+    optimizer = torch.optim.SGD([_param(), _param()], lr=1.0)
+    schedule = WarmupCosineLR(optimizer, warmup_steps=4, total_steps=10)
+    optimizer.param_groups[0]["lr"] = 0.2
+    schedule.take_set_lrs_as_peaks()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2 / 4, rel=1e-12)
+    assert schedule.get_last_lr() == [optimizer.param_groups[0]["lr"]]

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import csv
+import gc
 import logging
 import re
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
 from conftest import assert_same
 from lightning.pytorch.loggers import CSVLogger
-from lightning_models import AtTrainEnd, TinyModel, trainer
+from lightning_models import AtTrainEnd, TinyModel, TwoOptimizerModel, trainer
 
-from lightning_offload_optim import OffloadAdamW, OffloadMonitor, pipeline, step_stats
+from lightning_offload_optim import OffloadAdamW, OffloadMonitor, host_state, pipeline, step_stats
 from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, STEP, StepRecord, StepStats
 
 NAMES = {
@@ -390,3 +392,88 @@ def test_pinned_state_is_reported(tmp_path, monkeypatch):
     assert not [w for w in caught if "could not pin" in str(w.message)]
     assert [int(r["step"]) for r in rows] == [1, 3, 5]
     assert all(float(r["offload/host_pinned"]) == 1.0 for r in rows)
+
+
+def test_a_disabled_offload_optimizer_is_not_monitored(tmp_path):
+    """``offload_enabled=False`` gives torch AdamW behaviour: nothing is offloaded, so the
+    monitor warns as for torch's AdamW and logs no offload figures."""
+    model = TinyModel()
+    model.hparams.offload_enabled = False
+    monitor = OffloadMonitor(summary=False)
+    with pytest.warns(UserWarning, match="no enabled OffloadAdamW"):
+        fitted = trainer(tmp_path, log_every_n_steps=1, callbacks=[monitor])
+        fitted.fit(model)
+    assert not [k for k in fitted.logged_metrics if k.startswith("offload/")]
+    assert monitor.totals["steps"] == 0
+
+
+class StepsAlsoWithoutGradients(TinyModel):
+    """Manual optimization that also calls ``step()`` before any gradient exists in the batch
+    (a step with nothing to update, which makes no step record)."""
+
+    def __init__(self) -> None:
+        super().__init__(force_staging=True)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx) -> None:
+        opt = self.optimizers()
+        opt.zero_grad(set_to_none=True)
+        opt.step()  # nothing to update
+        x, y = batch
+        self.manual_backward(((self(x) - y) ** 2).mean())
+        opt.step()
+
+
+def test_a_step_with_nothing_to_update_is_not_counted(tmp_path):
+    model = StepsAlsoWithoutGradients()
+    monitor = OffloadMonitor(summary=False)
+    trainer(tmp_path, max_steps=12, callbacks=[monitor]).fit(model)  # 6 batches, 2 steps each
+    (opt,) = model.trainer.optimizers
+    state_bytes = opt.memory_stats()["state_bytes"]
+    assert monitor.totals["steps"] == 6  # the updates only
+    assert monitor.totals["bytes_in"] == 6 * state_bytes
+
+
+def test_the_optimizer_does_not_keep_the_monitor_alive_after_fit(tmp_path):
+    model = TinyModel(force_staging=True)
+    monitor = OffloadMonitor(summary=False)
+    trainer(tmp_path, callbacks=[monitor]).fit(model)
+    (optimizer,) = model.trainer.optimizers  # kept by the user, e.g. to fit again
+    gone = weakref.ref(monitor)
+    del monitor, model
+    gc.collect()
+    assert gone() is None
+    assert not optimizer._optimizer_step_post_hooks
+
+
+def test_summary_false_prints_no_summary(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, callbacks=[OffloadMonitor(summary=False)]).fit(TinyModel())
+    assert not [r for r in caplog.records if r.message.startswith("OffloadMonitor:")]
+
+
+def test_host_pinned_is_one_only_when_every_optimizer_is_pinned(tmp_path, monkeypatch):
+    """Two OffloadAdamW, one pinned (faked, as in test_pinned_state_is_reported) and one not:
+    the state is not all page-locked, so ``host_pinned`` is 0."""
+    monkeypatch.setattr(
+        host_state,
+        "_pinned_empty",
+        lambda numel, dtype, device: (host_state.host_empty(numel, dtype), []),
+    )
+
+    class HalfPinned(TwoOptimizerModel):
+        def configure_optimizers(self):
+            with pytest.MonkeyPatch.context() as m:  # only the first decides to pin
+                m.setattr(torch.accelerator, "is_available", lambda: True)
+                pinned = OffloadAdamW(self.net.parameters(), lr=0.01, force_staging=True)
+            pageable = OffloadAdamW(
+                self.other.parameters(), lr=0.01, force_staging=True, pin_memory=False
+            )
+            return [pinned, pageable]
+
+    model = HalfPinned()
+    fitted = trainer(tmp_path, log_every_n_steps=1, callbacks=[OffloadMonitor(summary=False)])
+    fitted.fit(model)
+    assert [o.memory_stats()["pinned"] for o in fitted.optimizers] == [True, False]
+    assert float(fitted.logged_metrics["offload/host_pinned"]) == 0.0
+    assert isinstance(fitted.logged_metrics["offload/host_pinned"], torch.Tensor)
