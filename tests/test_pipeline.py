@@ -290,3 +290,16 @@ def test_host_out_of_memory_is_not_taken_for_a_pinning_failure(monkeypatch):
         with pytest.raises(RuntimeError, match="can't allocate memory"):
             opt.step()
     assert not opt.state and opt._host.pin_failed is False
+
+
+def test_a_resolved_step_record_covers_the_resident_updates(stream_order):
+    """The step's time ends after its last update as well as its last copy-out: resident
+    chunks update on the compute stream after the copies are queued, so resolving the record
+    (the monitor's ``step_ms``) must wait for them too."""
+    params = make_params()
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64, resident=0.5)
+    step_together([opt], [params], torch.Generator().manual_seed(0), 3)  # resident from step 2
+    assert opt.memory_stats()["resident_bytes"] > 0
+    done = torch.cpu.current_stream().record_event()  # after the step's work on the stream
+    opt.last_step.resolve()
+    assert done.query()
