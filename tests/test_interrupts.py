@@ -57,6 +57,31 @@ def sigint_on_call(monkeypatch, target, name: str, numbers: set[int]) -> list[in
     return calls
 
 
+def started_hold_over_a_recorder() -> tuple[interrupts.SigintHold, list[int]]:
+    """A started hold of SIGINT meant for a handler that records what it receives."""
+    received: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    hold = interrupts.SigintHold()
+    hold.start()
+    return hold, received
+
+
+def errors_in_another_thread(work) -> list[Exception]:
+    """Run ``work`` in a thread of its own; what it raised."""
+    errors = []
+
+    def run() -> None:
+        try:
+            work()
+        except Exception as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return errors
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_ctrl_c_during_the_update_is_raised_after_it(monkeypatch, overlap):
     torch.manual_seed(0)
@@ -182,10 +207,7 @@ def test_a_hold_delivers_an_insisting_ctrl_c_as_soon_as_no_update_runs(monkeypat
     """The mixin's hold spans a batch: a second press (0.5 s or more after the first) is the
     user insisting, delivered at once, but never inside an update."""
     monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
-    received = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    hold = interrupts.SigintHold()
-    hold.start()
+    hold, received = started_hold_over_a_recorder()
     signal.raise_signal(signal.SIGINT)
     with keyboard_interrupts_held():  # an update inside the hold
         signal.raise_signal(signal.SIGINT)
@@ -219,10 +241,7 @@ def test_an_ended_hold_installed_again_gives_sigint_back():
 
 def test_an_update_in_another_thread_leaves_the_main_threads_hold_alone(monkeypatch):
     monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
-    received = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    hold = interrupts.SigintHold()
-    hold.start()
+    hold, received = started_hold_over_a_recorder()
     errors = []
 
     def until(condition) -> None:  # the main thread runs the handler, soon
@@ -254,18 +273,8 @@ def test_a_trainer_stepping_in_another_thread_leaves_a_stale_hold_to_the_main_th
     stale = interrupts.SigintHold(alive=lambda: False)
     stale.start()
     optimizer = OffloadAdamW(make_params())
-    errors = []
-
-    def step_hook() -> None:
-        try:
-            hold_ctrl_c_until_batch_end(Callback(), optimizer)  # any weakly referable trainer
-        except Exception as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=step_hook)
-    thread.start()
-    thread.join()
-    assert errors == []
+    trainer = Callback()  # any weakly referable object
+    assert errors_in_another_thread(lambda: hold_ctrl_c_until_batch_end(trainer, optimizer)) == []
     assert stale.holding  # left to the main thread
 
 
@@ -305,10 +314,7 @@ def test_a_hold_ended_while_replaced_gives_sigint_back_once_restored():
 
 
 def test_a_press_that_could_not_be_delivered_is_not_delivered_by_a_later_hold():
-    received = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    hold = interrupts.SigintHold()
-    hold.start()
+    hold, received = started_hold_over_a_recorder()
     signal.raise_signal(signal.SIGINT)  # held
     signal.signal(signal.SIGINT, lambda signum, frame: received.append(-signum))  # taken over
     hold.end()  # cannot deliver: not holding any more
@@ -319,10 +325,7 @@ def test_a_press_that_could_not_be_delivered_is_not_delivered_by_a_later_hold():
 
 def test_an_insisting_press_waits_for_the_outermost_update(monkeypatch):
     monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
-    received = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    hold = interrupts.SigintHold()
-    hold.start()
+    _, received = started_hold_over_a_recorder()
     signal.raise_signal(signal.SIGINT)
     with keyboard_interrupts_held():
         with keyboard_interrupts_held():
@@ -341,20 +344,8 @@ def test_holds_that_cannot_hold_change_nothing(monkeypatch):
     first.end()
     second.end()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    errors = []
-
-    def elsewhere() -> None:
-        try:
-            hold = interrupts.SigintHold()
-            hold.start()
-            hold.end()
-        except Exception as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=elsewhere)
-    thread.start()
-    thread.join()
-    assert errors == []
+    elsewhere = interrupts.SigintHold()
+    assert errors_in_another_thread(lambda: (elsewhere.start(), elsewhere.end())) == []
     monkeypatch.setattr(signal, "getsignal", lambda signum: None)
     outside = interrupts.SigintHold()
     outside.start()
@@ -408,19 +399,12 @@ def test_nothing_is_held_where_ctrl_c_is_ignored_or_outside_the_main_thread():
     with keyboard_interrupts_held():
         signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    errors = []
 
-    def in_thread():
-        try:
-            with keyboard_interrupts_held():  # signal.signal would raise ValueError here
-                pass
-        except Exception as error:
-            errors.append(error)
+    def update() -> None:
+        with keyboard_interrupts_held():  # signal.signal would raise ValueError here
+            pass
 
-    thread = threading.Thread(target=in_thread)
-    thread.start()
-    thread.join()
-    assert errors == []
+    assert errors_in_another_thread(update) == []
 
 
 class CtrlC(Callback):
