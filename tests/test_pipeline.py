@@ -15,6 +15,7 @@ from conftest import (
     assert_state_offloaded,
     forked_child_memory_map,
     make_params,
+    overlapped_pair,
     set_grads,
     step_together,
 )
@@ -22,7 +23,8 @@ from conftest import (
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
 from lightning_offload_optim.host_state import HostState
-from lightning_offload_optim.pipeline import plan_chunks
+from lightning_offload_optim.pipeline import StagingPipeline, plan_chunks
+from lightning_offload_optim.resident import ResidentRanges
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -303,3 +305,178 @@ def test_a_resolved_step_record_covers_the_resident_updates(stream_order):
     done = torch.cpu.current_stream().record_event()  # after the step's work on the stream
     opt.last_step.resolve()
     assert done.query()
+
+
+def test_chunks_follow_memory_order_not_step_order():
+    """Slots given out of memory order (the step's order) are still cut in memory order: the
+    state of adjacent parameters is one chunk, moved by one copy per key (P01)."""
+    params = make_params([(10,), (20,), (30,), (40,)])
+    host = HostState(pin_for=lambda device: False)
+    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    slots = [host.slots[p] for p in reversed(params)]
+    chunks = plan_chunks(slots, 1024)
+    assert [(c.start, c.stop) for c in chunks] == [(0, 100)]
+    assert [s.index for s in chunks[0].segments] == [3, 2, 1, 0]
+
+
+def test_a_parameter_that_exactly_fills_the_room_left_is_not_split():
+    """A parameter whose state fits exactly in what is left of a chunk goes in whole, even when
+    that room is not a multiple of the split alignment (P05)."""
+    bound = 2 * SPLIT_ALIGNMENT
+    params = make_params([(10,), (bound - 10,), (7,)])
+    host = HostState(pin_for=lambda device: False)
+    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    chunks = plan_chunks([host.slots[p] for p in params], bound)
+    assert [(c.start, c.stop) for c in chunks] == [(0, bound), (bound, bound + 7)]
+    assert [(s.index, s.start, s.stop) for s in chunks[0].segments] == [
+        (0, 0, 10),
+        (1, 0, bound - 10),
+    ]
+
+
+def test_prefetch_skips_chunks_larger_than_the_staging_buffers():
+    """Chunks larger than the staging buffers allocated so far are not queued ahead: the
+    copies would not fit (P14)."""
+    params = make_params([(4 * SPLIT_ALIGNMENT,)])
+    host = HostState(pin_for=lambda device: False)
+    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    slots = [host.slots[p] for p in params]
+    pipeline = StagingPipeline(SPLIT_ALIGNMENT, force_staging=True)
+    pipeline.prepare(plan_chunks(slots, SPLIT_ALIGNMENT))
+    pipeline.prefetch(plan_chunks(slots, 4 * SPLIT_ALIGNMENT))  # one chunk, 4x the buffers
+    assert pipeline._prefetched == {}
+    pipeline.wait_host()
+
+
+def test_resident_chunks_take_no_staging_turn_so_the_first_staged_chunks_prefetch():
+    """Chunks kept resident use no staging buffer: the first staged chunks after them still
+    take the buffers in order, and are the ones queued ahead of the step (P17)."""
+    params = make_params([(4 * SPLIT_ALIGNMENT,)])
+    host = HostState(pin_for=lambda device: False)
+    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    pipeline = StagingPipeline(SPLIT_ALIGNMENT, force_staging=True)
+    pipeline.set_resident({host.arenas[0]: ResidentRanges(((0, 2 * SPLIT_ALIGNMENT),))})
+    chunks = plan_chunks([host.slots[p] for p in params], SPLIT_ALIGNMENT)
+    assert [c.resident for c in chunks] == [True, True, False, False]
+    pipeline.prepare(chunks)
+    assert pipeline._turns(chunks) == [0, 0, 0, 1]
+    pipeline.run(chunks, lambda chunk, views: None)  # a step, then the next one's copies
+    pipeline.prefetch(chunks)
+    assert sorted(pipeline._prefetched) == [2, 3]
+    assert [key[3] for key, _ in pipeline._prefetched.values()] == [0, 1]
+    pipeline.wait_host()
+
+
+def test_copies_queued_ahead_are_dropped_when_prepare_grows_the_buffers():
+    """A chunk queued ahead into a staging buffer that the next prepare replaces (a larger
+    chunk this step) is loaded again into the new buffer, not updated from it unfilled (P10)."""
+    n = SPLIT_ALIGNMENT
+    params = make_params([(n,)] * 4)
+    host = HostState(pin_for=lambda device: False)
+    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    for buffer in host.arenas[0].buffers.values():
+        buffer.zero_()
+    slots = [host.slots[p] for p in params]
+
+    def update(chunk, views):
+        views["exp_avg"].add_(1.0)
+
+    pipeline = StagingPipeline(2 * n, force_staging=True)
+    first = plan_chunks([slots[0], slots[2]], 2 * n)  # (0, n), (2n, 3n): buffers of n
+    pipeline.prepare(first)
+    pipeline.run(first, update)
+    pipeline.prefetch(first)  # chunk 0 queued ahead into the buffers of n
+    second = plan_chunks([slots[0], slots[2], slots[3]], 2 * n)  # (0, n), (2n, 4n)
+    assert [(c.start, c.stop) for c in second] == [(0, n), (2 * n, 4 * n)]
+    pipeline.prepare(second)  # the buffers grow to 2n
+    pipeline.run(second, update)
+    pipeline.wait_host()
+    expected = torch.cat([torch.full((n,), v) for v in (2.0, 0.0, 2.0, 1.0)])
+    assert torch.equal(host.arenas[0].buffers["exp_avg"], expected)
+
+
+def test_writes_through_lent_state_views_after_a_forward_reach_the_next_step(stream_order):
+    """After ``state_dict()`` the host buffers are lent out as views: a forward pass then queues
+    no copies ahead (they would read the state before the caller writes through the views),
+    so the next step sees the writes, as torch's AdamW does (P12)."""
+    pairs = overlapped_nets()
+    (model, ours), (reference, theirs) = pairs
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(4, 16, generator=generator) for _ in range(3)]
+    train(pairs, inputs[:2])
+    lent = ours.state_dict()["state"]
+    losses = [net(inputs[2]).square().mean() for net in (model, reference)]  # forward first
+    for state in (lent, theirs.state_dict()["state"]):
+        for entry in state.values():
+            entry["exp_avg"].mul_(-3.0)  # then write through the views
+    for loss, opt in zip(losses, (ours, theirs), strict=True):
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    stream_order.expect_none()
+    ours.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def overlapped_nets():
+    """(model, OffloadAdamW overlapping its forward), (twin, torch fused AdamW), alike."""
+    model, twin = TwoLayers(), TwoLayers()
+    ours, theirs = overlapped_pair(model, twin, lr=0.05)
+    return (model, ours), (twin, theirs)
+
+
+def train(pairs, inputs):
+    for x in inputs:
+        for net, opt in pairs:
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_copies_queued_ahead_are_the_arenas_last_use(stream_order):
+    """A copy-in queued ahead by a forward pass reads the host buffers: the arena must not be
+    freed (pinned pages unregistered) before it is done, so it is noted as the last read (P15)."""
+    pairs = overlapped_nets()
+    inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    train(pairs, inputs[:2])
+    (model, ours), _ = pairs
+    model(inputs[2])  # queues the next step's first copies
+    pipeline = ours._pipeline
+    assert pipeline._prefetched
+    copy_in = pipeline._streams[torch.device("cpu")].copy_in
+    for arena in ours._host.arenas:
+        events = [e for e in arena._in_flight if e is not None]
+        assert any(e.clock.get(copy_in.id, 0) >= copy_in.clock[copy_in.id] for e in events), (
+            "the arena could be freed while the copy-in stream still reads it"
+        )
+    ours.wait_for_updates()
+
+
+def test_copies_are_queued_ahead_again_after_a_step_that_read_lent_views(stream_order):
+    """``state_dict()`` stops copies being queued ahead only until the next step reads the
+    lent views: the forward passes after it queue them again, with the same results (P24)."""
+    pairs = overlapped_nets()
+    inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    train(pairs, inputs[:2])
+    (model, ours), (reference, theirs) = pairs
+    ours.state_dict()
+    train(pairs, inputs[2:4])  # the first of these steps reads the lent views
+    losses = [net(inputs[4]).square().mean() for net in (model, reference)]
+    assert ours._pipeline._prefetched, "no copies queued ahead after the views were read"
+    for loss, opt in zip(losses, (ours, theirs), strict=True):
+        loss.backward()
+        opt.step()
+    stream_order.expect_none()
+    ours.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))
