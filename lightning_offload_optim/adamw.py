@@ -601,11 +601,7 @@ class OffloadAdamW(torch.optim.AdamW):
         for index, param in zip(saved_params, params, strict=True):
             slot = self._host.slots.get(param)
             if state_dict["state"].get(index) and slot is not None:
-                moments = {
-                    key: like_param(param, slot.layout.unflat(slot.view(key)))
-                    for key in slot.arena.keys
-                }
-                state_dict["state"][index] = {**state_dict["state"][index], **moments}
+                state_dict["state"][index] = {**state_dict["state"][index], **_views(param, slot)}
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -677,11 +673,9 @@ class OffloadAdamW(torch.optim.AdamW):
         matched = []
         for param, g, position in entries:
             entry, slot = self.state[param], self._host.slots.get(param)
-            kept = {  # views of the buffers themselves: written in place, never copied
-                key: like_param(param, slot.layout.unflat(slot.view(key)))
-                for key, value in entry.items()
-                if isinstance(value, Offloaded) and slot is not None and key in slot.arena.keys
-            }
+            views = _views(param, slot) if slot is not None else {}
+            # Views of the buffers themselves: written in place, never copied.
+            kept = {k: v for k, v in views.items() if isinstance(entry.get(k), Offloaded)}
             where = f"{describe(g, position)} (found in optimizer.state)"
             amsgrad = self.param_groups[g]["amsgrad"]
             matched.append(check_entry({**entry, **kept}, param, amsgrad, where))
@@ -866,10 +860,7 @@ class OffloadAdamW(torch.optim.AdamW):
         if slot is None or not self.state.get(param):
             return {}
         self._pipeline.wait_host()
-        return {
-            key: like_param(param, slot.layout.unflat(slot.view(key)).clone())
-            for key in slot.arena.keys
-        }
+        return {key: view.clone() for key, view in _views(param, slot).items()}
 
     @property
     def last_step(self) -> StepRecord | None:
@@ -904,6 +895,12 @@ def _snapshot_lr(hyper: Hyperparameters, pipeline: StagingPipeline) -> Hyperpara
     snapshot = lr.clone()
     pipeline.used_by_update(snapshot)
     return dataclasses.replace(hyper, lr=snapshot)
+
+
+def _views(param: Tensor, slot: Slot) -> dict[str, Tensor]:
+    """``param``'s state by key: views of the host buffers shaped like the parameter (for a
+    DTensor parameter, DTensors like it over this rank's shards)."""
+    return {key: like_param(param, slot.layout.unflat(slot.view(key))) for key in slot.arena.keys}
 
 
 def _written_by_others(entry: dict[str, Any]) -> bool:

@@ -312,11 +312,9 @@ def _from_config(config: Any, name: str, dtype: torch.dtype) -> _Model:
         value = _config_value(config, key)
         return default if value is None else int(value)
 
-    if min(vocab, hidden, inter, layers, heads) < 1:
-        raise ValueError(f"config {name} has a size below 1")
     kv_heads = optional("num_key_value_heads", heads)
-    head_dim = optional("head_dim", hidden // heads)
-    if min(kv_heads, head_dim) < 1:
+    head_dim = optional("head_dim", hidden // heads if heads > 0 else 0)
+    if min(vocab, hidden, inter, layers, heads, kv_heads, head_dim) < 1:
         raise ValueError(f"config {name} has a size below 1")
     attention_bias = bool(_config_value(config, "attention_bias"))
     mlp_bias = bool(_config_value(config, "mlp_bias"))

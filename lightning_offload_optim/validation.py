@@ -52,7 +52,7 @@ class Hyperparameters:
     weight_decay: float
     amsgrad: bool
     maximize: bool
-    decoupled_weight_decay: bool = True  # False: L2 decay added to the gradient, as torch's Adam
+    decoupled_weight_decay: bool  # False: L2 decay added to the gradient, as torch's Adam
 
 
 def _scalar(value: Any) -> Any:
