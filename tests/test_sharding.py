@@ -21,15 +21,21 @@ from lightning_offload_optim.sharding import like_param
 pytestmark = pytest.mark.no_stream_check  # DTensor dispatch under the checker's recording mode
 
 
+def dtensor_params(mesh, shapes, seed=0):
+    """Parameters of ``shapes`` sharded on dimension 0 over ``mesh``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=generator), mesh, [Shard(0)]))
+        for s in shapes
+    ]
+
+
 def trained(mesh, shape=(6, 5)):
-    placement = Shard(0)
-    generator = torch.Generator().manual_seed(0)
-    param = torch.nn.Parameter(
-        distribute_tensor(torch.randn(shape, generator=generator), mesh, [placement])
-    )
+    (param,) = dtensor_params(mesh, [shape])
     opt = OffloadAdamW([param], lr=0.1)
+    generator = torch.Generator().manual_seed(1)
     for _ in range(2):
-        param.grad = distribute_tensor(torch.randn(shape, generator=generator), mesh, [placement])
+        param.grad = distribute_tensor(torch.randn(shape, generator=generator), mesh, [Shard(0)])
         opt.step()
     return opt, param
 
@@ -134,16 +140,8 @@ def test_fsdp2_overlapped_steps_wait_before_each_units_all_gather(mesh):
     assert_same(ours, [p.full_tensor() for p in reference.parameters()])
 
 
-def _dtensor_params(mesh, shapes, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=generator), mesh, [Shard(0)]))
-        for s in shapes
-    ]
-
-
 def test_gradient_sharded_otherwise_than_its_parameter_is_refused(mesh):
-    (param,) = _dtensor_params(mesh, [(4, 3)])
+    (param,) = dtensor_params(mesh, [(4, 3)])
     before = param.detach().full_tensor().clone()
     opt = OffloadAdamW([param], lr=0.1)
     param.grad = distribute_tensor(torch.ones(4, 3), mesh, [Replicate()])
@@ -153,7 +151,7 @@ def test_gradient_sharded_otherwise_than_its_parameter_is_refused(mesh):
 
 
 def test_gradient_on_another_mesh_is_refused(mesh):
-    (param,) = _dtensor_params(mesh, [(4, 3)])
+    (param,) = dtensor_params(mesh, [(4, 3)])
     other = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
     assert other != mesh
     opt = OffloadAdamW([param], lr=0.1)
@@ -176,7 +174,7 @@ def test_sharded_gradient_of_a_plain_parameter_is_refused(mesh):
 def test_state_of_parameters_past_the_first_saves_and_copies_like_torch(mesh, shapes):
     """Every parameter but the first has its state at an offset into the arena: saved,
     loaded and deep-copied state dicts hold torch AdamW's values (and no view of the host)."""
-    params = _dtensor_params(mesh, shapes)
+    params = dtensor_params(mesh, shapes)
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = OffloadAdamW(params, lr=0.1)
     torch_opt = torch.optim.AdamW(reference, lr=0.1, fused=True)
@@ -228,10 +226,7 @@ def test_state_of_low_precision_dtensor_parameters_is_float32_throughout(mesh):
 
 
 def test_state_on_another_mesh_with_the_same_placements_is_refused(mesh):
-    (param,) = _dtensor_params(mesh, [(4, 4)])
-    opt = OffloadAdamW([param], lr=0.1)
-    param.grad = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
-    opt.step()
+    opt, param = trained(mesh, shape=(4, 4))
     saved = opt.state_dict()
     before = opt.offloaded_state(param)["exp_avg"].full_tensor()
     other = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
