@@ -228,7 +228,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._fill_new_state(active, new_slots)
         host_steps = [a.step for a in active]
         pin = self.pin_memory and not self._host.pin_failed
-        device_steps = self._steps_on_devices(active, host_steps, pin)
+        device_steps = self._steps_on_devices(active, host_steps, pin, self._pipeline.stages)
 
         overlap = self._overlapping()
         if overlap is not None:  # the update reads these after step() returns
@@ -511,14 +511,20 @@ class OffloadAdamW(torch.optim.AdamW):
                         a.slot.view(key).zero_()
 
     @staticmethod
-    def _steps_on_devices(active: list[_Active], steps: list[Tensor], pin: bool) -> list[Tensor]:
+    def _steps_on_devices(
+        active: list[_Active],
+        steps: list[Tensor],
+        pin: bool,
+        stages: Callable[[torch.device], bool],
+    ) -> list[Tensor]:
         """Each step count after this step's increment, on its parameter's device, where the
         fused kernels read it. Host counts are advanced in place only once the update runs, so
-        CPU parameters read ``steps`` themselves; accelerators get copies of ``steps + 1``
-        (pinned with the state, so the copy does not wait for the device; where pinning was
-        refused, pageable)."""
+        parameters updated in place on the host read ``steps`` themselves; staged ones get
+        copies of ``steps + 1`` (pinned with the state, so the copy does not wait for the
+        device; where pinning was refused, pageable). ``stages(device)`` says which are staged
+        (CPU tests force staging, and so run this path too)."""
         devices = {a.param.device for a in active}
-        if devices == {torch.device("cpu")}:
+        if not any(stages(device) for device in devices):
             return steps
         stacked = torch.stack(steps).add_(1.0)
         if pin:
