@@ -527,7 +527,7 @@ class OffloadAdamW(torch.optim.AdamW):
         if not any(stages(device) for device in devices):
             return steps
         stacked = torch.stack(steps).add_(1.0)
-        if pin:
+        if pin and any(device.type != "cpu" for device in devices):
             stacked = stacked.pin_memory()
         copies = {d: stacked.to(d, non_blocking=True) for d in devices}
         return [copies[a.param.device][i] for i, a in enumerate(active)]

@@ -309,7 +309,6 @@ class StagingPipeline:
             # allocated), and the host buffers may still be written by the last copy-out.
             streams.wait(streams.copy_in, streams.record(compute))
             streams.wait(streams.copy_in, self._host_ready.get(device))
-        copied: set[torch.device] = set()  # devices where staged chunks were copied
         try:
             for index, (chunk, turn) in enumerate(zip(chunks, self._turns(chunks), strict=True)):
                 kind = (chunk.arena.device, chunk.arena.dtype)
@@ -323,7 +322,6 @@ class StagingPipeline:
                     self.updated.append(self._run_resident(chunk, views, update, record, compute))
                 elif is_staged:
                     compute = computes[chunk.arena.device]
-                    copied.add(chunk.arena.device)
                     ahead = prefetched.get(index)
                     loaded = (
                         ahead[1]
@@ -338,17 +336,17 @@ class StagingPipeline:
                     update(chunk, views | chunk.host_views())
                     self.updated.append(None)
         except BaseException:
-            self._settle(staged, chunks)
+            self._settle(computes, chunks)
             raise
         timed_on_device = False
         for device in staged:
             streams = self._streams[device]
-            if streams.is_async:  # ends after the last copy-out and the last resident update
-                end = (
-                    streams.timed_join(streams.copy_out, computes[device])
-                    if device in copied
-                    else streams.record(computes[device], timing=True)
-                )
+            if streams.is_async:
+                # Ends after the last copy-out and the last update. The copy-out stream follows
+                # the update from here on, so what it queues later (resident state written
+                # back) and the memory recorded for it come after the update, even when the
+                # update ran on a stream of the caller's that nothing of ours waits for.
+                end = streams.timed_join(streams.copy_out, computes[device])
                 record.add_span(STEP, begins[device], end)
                 timed_on_device = True
         if not timed_on_device:
@@ -435,16 +433,14 @@ class StagingPipeline:
 
     def _flush_resident(self) -> None:
         """Queue copies of resident state newer than the host's back into the host buffers,
-        after the updates that wrote it (on either stream they may have run on)."""
+        on the copy-out stream, which every run (and :meth:`_settle`) left ordered after the
+        updates that wrote it."""
         for arena, resident in list(self._resident.items()):
             if not resident.dirty:
                 continue
             streams = self._streams[arena.device]
-            caller = streams.compute()  # outside streams.on(): there, the current stream changes
             record = self._between_steps
             with streams.on(streams.copy_out):
-                streams.wait(streams.copy_out, streams.record(streams.update))
-                streams.wait(streams.copy_out, streams.record(caller))
                 with record.span(COPY_OUT, streams, streams.copy_out) as copied:
                     for host, device in resident.pairs(arena):
                         host.copy_(device, non_blocking=True)
@@ -453,16 +449,21 @@ class StagingPipeline:
             record.bytes_out += arena.state_bytes(arena.resident.numel)
             resident.dirty = False
 
-    def _settle(self, devices: set[torch.device], chunks: Sequence[Chunk]) -> None:
-        """After a fault partway through :meth:`run`: copies may have been queued whose events
-        were never recorded. Mark all work on the copy streams so far as the host buffers' last
-        use, so that reading them (:meth:`wait_host`) or freeing them waits for it."""
-        for device in devices:
+    def _settle(
+        self, computes: dict[torch.device, torch.Stream | None], chunks: Sequence[Chunk]
+    ) -> None:
+        """After a fault partway through :meth:`run` (on the ``computes`` streams, by device):
+        copies and updates may have been queued whose events were never recorded. Order the
+        copy-out stream after all of them, as a finished run does, and mark its work so far
+        as the host buffers' last use, so that reading them (:meth:`wait_host`) or freeing
+        them waits for it."""
+        for device, compute in computes.items():
             streams = self._streams[device]
             streams.wait(streams.copy_out, streams.record(streams.copy_in))
+            streams.wait(streams.copy_out, streams.record(compute))
             self._host_ready[device] = streams.record(streams.copy_out)
         for chunk in chunks:
-            if chunk.arena.device in devices:
+            if chunk.arena.device in computes:
                 chunk.arena.written_by(self._host_ready[chunk.arena.device])
 
     def release(self) -> None:

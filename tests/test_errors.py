@@ -360,7 +360,7 @@ def test_failure_copying_step_counts_to_the_device_changes_nothing(monkeypatch):
     opt, params = trained(force_staging=True, chunk_size=64)
     before = snapshot(opt, params)
 
-    def fail(active, steps, pin):
+    def fail(*args):
         raise RuntimeError("simulated: device copy failed")
 
     monkeypatch.setattr(OffloadAdamW, "_steps_on_devices", staticmethod(fail))

@@ -75,6 +75,47 @@ def test_bf16_parameters_with_master_copies(stream_order):
     assert everything.memory_stats()["resident_bytes"] == everything.memory_stats()["state_bytes"]
 
 
+def test_a_step_under_another_stream_is_ordered_before_what_follows_on_the_callers(
+    stream_order,
+):
+    """A step queued under a stream of the user's (``with torch.cuda.stream(s)``) updates the
+    resident state and uses the gradient scratch on that stream. What the optimizer itself queues
+    later on the default stream must come after it, with no wait back by the user (which
+    only the user's own reads of the parameters need): the write-back of resident state for
+    ``state_dict()``, and the reuse of the freed buffers' memory."""
+    from lightning_offload_optim.streams import device_module
+
+    simulated = device_module(torch.device("cpu"))
+    params = make_params(SHAPES, dtype=torch.bfloat16)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = staged(params, resident=1.0)
+    fp32 = torch.optim.AdamW(masters, lr=0.05, fused=True)
+    generator = torch.Generator().manual_seed(5)
+    for users_stream in (False, True):
+        for p, m in zip(params, masters, strict=True):
+            p.grad = torch.randn(p.shape, generator=generator, dtype=torch.bfloat16)
+            m.grad = p.grad.float()
+        if users_stream:  # after the gradients, as CUDA asks of the user
+            stream = simulated.Stream()
+            stream.wait_stream(simulated.current_stream())
+            with simulated.stream(stream):
+                opt.step()
+        else:
+            opt.step()
+        fp32.step()
+    saved = opt.state_dict()
+    opt.release_device_memory()
+    torch.empty(4096).fill_(1.0)  # the default stream's next allocation may reuse that memory
+    stream_order.expect_none()
+    expected = fp32.state_dict()["state"]
+    for index, entry in saved["state"].items():
+        assert_same(
+            [entry["exp_avg"], entry["exp_avg_sq"]],
+            [expected[index]["exp_avg"], expected[index]["exp_avg_sq"]],
+        )
+    assert_same(params, [m.detach().to(torch.bfloat16) for m in masters])
+
+
 def test_checkpoints_are_the_same_whatever_the_share_and_load_into_any_share(stream_order):
     params = make_params(SHAPES)
     twins = clone_params(params)

@@ -11,6 +11,7 @@ import ast
 import copy
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from stream_checker import StreamChecker
 import lightning_offload_optim.pipeline
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim import adamw as adamw_module
-from lightning_offload_optim.step_stats import COPY_OUT, StepRecord
+from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, StepRecord
 
 PIPELINE = Path(lightning_offload_optim.pipeline.__file__)
 
@@ -101,9 +102,9 @@ def scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     buffers with nothing else ordering them before the first copy-in. The second step updates
     only the last parameter, whose chunk then lands in the other buffer than before: only the
     wait for the previous step's last copy-out orders its copy-in. bf16 parameters join later,
-    with a master copy and the gradient scratch. Last, a step interrupted right after a chunk's
-    copy-out was queued, and one in the update of a chunk whose copy-in was queued, each followed
-    by reads of the state and a load of a checkpoint.
+    with a master copy and the gradient scratch. Last, steps interrupted right after a chunk's
+    copy-in or copy-out was queued, and one in the update of a chunk whose copy-in was queued,
+    each followed by reads of the state and a load of a checkpoint.
 
     Returns what the checker cannot see (frees are not aten ops): see :func:`_unsettled_arenas`.
     """
@@ -119,7 +120,7 @@ def scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         opt.offloaded_state(param)
     checkpoint = copy.deepcopy(opt.state_dict())
     problems = []
-    for interrupt in (_after_first_copy_out, _inside_second_update):
+    for interrupt in (_after_first(COPY_IN), _after_first(COPY_OUT), _inside_second_update):
         with monkeypatch.context() as patch:
             interrupt(patch)
             with pytest.raises(KeyboardInterrupt):
@@ -128,7 +129,7 @@ def scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             opt.offloaded_state(param)
         problems += _unsettled_arenas(opt)
         opt.load_state_dict(copy.deepcopy(checkpoint))
-    return problems + overlap_scenario(monkeypatch) + resident_scenario()
+    return problems + overlap_scenario(monkeypatch) + resident_scenario(monkeypatch)
 
 
 def overlap_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -164,11 +165,12 @@ def overlap_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return _unsettled_arenas(opt)
 
 
-def resident_scenario() -> list[str]:
+def resident_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """State resident on the device: uploaded at its first resident step, updated in place on
     the caller's stream or, overlapped, on the update stream, written back before reads of the
-    host state, and uploaded again after a load writes the host buffers. All of it resident:
-    with staged chunks after the resident ones, their copy-outs would order the write-back."""
+    host state, and uploaded again after a load writes the host buffers; also after a step
+    interrupted after its first update. All of it resident: with staged chunks after the
+    resident ones, their copy-outs would order the write-back."""
     params = make_params([(64,), (64,), (64,), (64,)])
     opt = OffloadAdamW(params, force_staging=True, chunk_size=64, resident=1.0)
     generator = torch.Generator().manual_seed(2)
@@ -180,6 +182,13 @@ def resident_scenario() -> list[str]:
     opt.load_state_dict(saved)
     step_together([opt], [params], generator, 2)
     opt.state_dict()
+    with monkeypatch.context() as patch:  # the first chunk's update, then no copy-out
+        _inside_second_update(patch)
+        with pytest.raises(KeyboardInterrupt):
+            step_together([opt], [params], generator, 1)
+    for param in params:  # the resident state is written back first
+        opt.offloaded_state(param)
+    opt.load_state_dict(saved)
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
     overlapped = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=1.0)
@@ -194,16 +203,21 @@ def resident_scenario() -> list[str]:
     return _unsettled_arenas(opt) + _unsettled_arenas(overlapped)
 
 
-def _after_first_copy_out(patch: pytest.MonkeyPatch) -> None:
-    """Interrupt right after a chunk's copy-out was queued, before its event is recorded."""
-    real_add_span = StepRecord.add_span
+def _after_first(kind: str) -> Callable[[pytest.MonkeyPatch], None]:
+    """Interrupt right after a chunk's copy-in or copy-out (``kind``) was queued, before its
+    event is recorded: nothing waits for a copy-in interrupted so."""
 
-    def add_span(self, kind, begin, end):
-        real_add_span(self, kind, begin, end)
-        if kind == COPY_OUT:
-            raise KeyboardInterrupt("simulated")
+    def interrupt(patch: pytest.MonkeyPatch) -> None:
+        real_add_span = StepRecord.add_span
 
-    patch.setattr(StepRecord, "add_span", add_span)
+        def add_span(self, span_kind, begin, end):
+            real_add_span(self, span_kind, begin, end)
+            if span_kind == kind:
+                raise KeyboardInterrupt("simulated")
+
+        patch.setattr(StepRecord, "add_span", add_span)
+
+    return interrupt
 
 
 def _inside_second_update(patch: pytest.MonkeyPatch) -> None:
@@ -233,14 +247,14 @@ def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_harness_finds_every_ordering_step():
-    """Twelve waits, thirteen data-ordering events (four of them the ends of timed copies)
+    """Eleven waits, twelve data-ordering events (four of them the ends of timed copies)
     and two host waits today: a new one counts too."""
     kinds = [label.split(": ", 1)[1].split("(")[0] for label, _ in MUTANTS]
     assert sorted(kinds) == (
         ["copied.event"] * 4
         + ["event.synchronize", "loaded.synchronize"]
-        + ["streams.record"] * 9
-        + ["streams.wait"] * 12
+        + ["streams.record"] * 8
+        + ["streams.wait"] * 11
     )
 
 
