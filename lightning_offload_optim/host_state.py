@@ -212,19 +212,38 @@ def _pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> tuple
         raise PinningError(str(error)) from error
 
 
+#: Releases put off because this thread was capturing a CUDA graph when they came due.
+_deferred_releases: list[tuple[list[int], list[torch.Event | None], list[Tensor]]] = []
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _release_pinned(
     pointers: list[int], in_flight: list[torch.Event | None], keep_alive: list[Tensor]
 ) -> None:
     """Finalizer: wait for the last copies into and out of the buffers, then unregister them.
 
-    ``keep_alive`` holds the buffers, so their memory outlives the registration.
+    ``keep_alive`` holds the buffers, so their memory outlives the registration. Waiting for
+    an event and unregistering are not allowed while a CUDA graph is captured (an arena may be
+    garbage-collected inside a ``torch.compile(mode="reduce-overhead")`` capture): then the
+    release waits for the next arena to be created or freed outside a capture.
     """
-    for event in in_flight:
-        if event is not None:
-            event.synchronize()
-    for pointer in pointers:
-        _cuda_host_unregister(pointer)
-    keep_alive.clear()
+    _deferred_releases.append((pointers, in_flight, keep_alive))
+    _release_deferred()
+
+
+def _release_deferred() -> None:
+    """Release the pinned buffers whose release was put off, unless a capture is on."""
+    while _deferred_releases and not _capturing():
+        pointers, in_flight, keep_alive = _deferred_releases.pop()
+        for event in in_flight:
+            if event is not None:
+                event.synchronize()
+        for pointer in pointers:
+            _cuda_host_unregister(pointer)
+        keep_alive.clear()
 
 
 class Arena:
@@ -259,6 +278,7 @@ class Arena:
             for key in keys:
                 self.buffers[key] = host_empty(self.numel, dtype)
             return
+        _release_deferred()  # memory put off at a capture goes before more is pinned
         registered: list[int] = []
         try:
             for key in keys:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import os
 import random
@@ -239,6 +240,46 @@ def test_registration_in_pieces_and_clean_up_after_a_failure(monkeypatch):
         numel, torch.float32, lambda p, n: calls.append(n) or 0
     )
     assert calls == [2 * page, 2 * page, page] and len(pointers) == 3
+
+
+def test_pinned_buffers_freed_during_a_graph_capture_are_released_after_it(monkeypatch):
+    """Waiting for an event and cudaHostUnregister are not allowed while a CUDA graph is
+    captured, and garbage collection may free an arena inside a capture
+    (``torch.compile(mode="reduce-overhead")``): its release waits for the next pinned arena
+    made outside a capture."""
+    from lightning_offload_optim import host_state
+
+    unregistered: list[int] = []
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(host_state, "_cuda_host_unregister", unregistered.append)
+    monkeypatch.setattr(
+        host_state,
+        "_pinned_empty",
+        lambda numel, dtype, device: host_state.registered_empty(numel, dtype, lambda p, n: 0),
+    )
+    capturing = [False]
+    monkeypatch.setattr(host_state, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(host_state, "_deferred_releases", [])  # none left to other tests
+
+    def trained_pinned() -> tuple[OffloadAdamW, list[int]]:
+        params = make_params()
+        opt = OffloadAdamW(params, force_staging=True, chunk_size=64, pin_memory=True)
+        step_together([opt], [params], torch.Generator().manual_seed(0), 1)
+        pointers = [b.data_ptr() for a in opt._host.arenas for b in a.buffers.values()]
+        assert opt.memory_stats()["pinned"] and pointers
+        return opt, pointers
+
+    opt, first = trained_pinned()
+    capturing[0] = True
+    del opt
+    gc.collect()
+    assert unregistered == []
+    capturing[0] = False
+    second_opt, second = trained_pinned()
+    assert sorted(unregistered) == sorted(first)
+    del second_opt
+    gc.collect()
+    assert sorted(unregistered) == sorted(first + second)  # freed outside a capture: at once
 
 
 def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
