@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, about 8.5 minutes at most on an H200 (a session's 15 device minutes also
-# pay for the machine's start; each part is cut at its own limit and keeps what it wrote): the
+# The GPU checks in one run, at most about 8.5 minutes: the sum of its parts' limits (200 + 160 +
+# 80 + 60 s) and the install (a session's 15 device minutes also pay for the machine's start;
+# each part is cut at its own limit and keeps what it wrote): the
 # `cuda` tests, the end-to-end benchmark (as many configurations as fit in E2E_BUDGET_S
 # seconds), the step-time micro-benchmark against the measured link bandwidth, then the random
 # scenarios on CUDA. Results go to $OUT (default docs/figures). Wheels in .whl/ (torchao, for

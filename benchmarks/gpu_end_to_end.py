@@ -96,8 +96,8 @@ class Config:
 
 
 #: OffloadAdamW variants: whether the step overlaps the next forward, and the resident share.
-#: On an H200 "auto" keeps all of a 1B or 3B model's state resident; 50% shows a model whose
-#: state does not fit.
+#: By arithmetic (16 bytes per parameter, 48 GB for 3B), "auto" keeps all of a 1B or 3B model's
+#: state resident on an H200; 50% shows a model whose state does not fit.
 OFFLOAD_VARIANTS = {
     "OffloadAdamW": (False, None),
     "OffloadAdamW + overlap": (True, None),

@@ -105,7 +105,8 @@ class OffloadAdamW(torch.optim.AdamW):
             falls back to ordinary memory, as does a host that refuses to pin.
         enabled: ``False`` makes this exactly ``torch.optim.AdamW`` (state on the device).
         chunk_size: elements per staged chunk and state key (rounded down to a multiple of 64).
-            Device memory used is about ``2 * chunk_size * 4 bytes * number of state keys``.
+            Device memory used is ``2 * chunk_size * 4 bytes`` per state key, plus one more
+            key's worth for bf16/fp16 parameters (their fp32 gradient scratch).
         force_staging: stage chunks through separate buffers even for CPU parameters (tests).
         resident: state to keep on the device, where it is updated in place and never copied:
             a share of the state (``0.25``), a number of bytes, or ``"auto"`` (what is free on
@@ -882,7 +883,8 @@ class OffloadAdamW(torch.optim.AdamW):
         ``state_bytes``: logical bytes of state (what would otherwise sit on the device);
         ``host_bytes``: bytes the host buffers occupy (page-rounded when pinned);
         ``pinned``: whether they are page-locked; ``staging_bytes``: staging buffers and fp32
-        gradient scratch, on the parameters' devices (on the host for CPU parameters).
+        gradient scratch, on the parameters' devices (on the host for CPU parameters);
+        ``resident_bytes``: state kept on the devices (``resident=``).
         """
         return {
             "state_bytes": self._host.logical_bytes,
