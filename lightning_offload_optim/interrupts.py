@@ -105,12 +105,16 @@ class SigintHold:
             self.end()
 
     def end(self) -> None:
-        """Give SIGINT back to its handler and deliver a held one to it."""
-        if not self.holding:
-            self._handler = None
-            return
-        meant_for, self._handler = self._meant_for, None
-        signal.signal(signal.SIGINT, meant_for)
+        """Give SIGINT back to its handler and deliver a held one to it. Where something else
+        gave it back first (Lightning restores the handlers it saved when a fit ends, before
+        the module's ``teardown``), a held one is still delivered; where another handler took
+        SIGINT over, it is not: it was not meant for that one."""
+        meant_for = self._meant_for
+        if self.holding:
+            signal.signal(signal.SIGINT, meant_for)
+        elif signal.getsignal(signal.SIGINT) is not meant_for:
+            self.arrived = False
+        self._handler = None
         if self.arrived:
             self.arrived = False
             deliver_sigint(meant_for)

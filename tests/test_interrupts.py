@@ -323,6 +323,17 @@ def test_a_press_that_could_not_be_delivered_is_not_delivered_by_a_later_hold():
     assert received == []
 
 
+def test_a_held_press_is_delivered_when_its_handler_was_given_back_by_someone_else():
+    """Lightning restores the handlers it saved when a fit ends, before the module's
+    ``teardown``: the hold's handler is gone, but the press is still the restored one's."""
+    hold, received = started_hold_over_a_recorder()
+    signal.raise_signal(signal.SIGINT)  # held
+    signal.signal(signal.SIGINT, hold._meant_for)  # given back by someone else
+    hold.end()
+    hold.end()
+    assert received == [signal.SIGINT]
+
+
 def test_an_insisting_press_waits_for_the_outermost_update(monkeypatch):
     monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
     _, received = started_hold_over_a_recorder()
@@ -441,6 +452,10 @@ class CtrlC(Callback):
         if self.where == "epoch end" and not self.sent and getattr(self, "stepped", 0):
             self.send()
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.where == "train end" and not self.sent and getattr(self, "stepped", 0):
+            self.send()
+
 
 class TwoStepsPerBatch(TinyModel):
     """Manual optimization stepping the one optimizer twice per batch, on its halves."""
@@ -460,6 +475,24 @@ class TwoStepsPerBatch(TinyModel):
 class EndHookWithoutSuper(TinyModel):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         pass  # the mixin's hook, which raises the held Ctrl-C, does not run
+
+
+class EpochHooksWithoutSuper(EndHookWithoutSuper):
+    """None of the mixin's batch and epoch hooks runs: training's end raises the Ctrl-C."""
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        pass
+
+    def on_train_epoch_end(self) -> None:
+        pass
+
+
+class TrainEndWithoutSuper(EpochHooksWithoutSuper):
+    """Not even the mixin's ``on_train_end`` runs: its ``teardown`` raises the Ctrl-C, after
+    Lightning gave SIGINT back to the handler it saved."""
+
+    def on_train_end(self) -> None:
+        pass
 
 
 class WithoutMixin(pl.LightningModule):
@@ -496,6 +529,12 @@ def interrupted_then_resumed(
     with pytest.raises(SystemExit):  # Lightning exits after a KeyboardInterrupt
         trainer(root, callbacks=callbacks, enable_checkpointing=True).fit(model(**model_kwargs))
     monkeypatch.undo()
+    if model is TrainEndWithoutSuper and "optimizer" not in model_kwargs:  # ours, at teardown
+        # Lightning ignores SIGINT while it shuts down, and gives back only the handlers its
+        # signal connector still holds: none after its teardown (so for any Ctrl-C raised
+        # from a teardown hook).
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
     path = root / "ckpt" / "interrupted.ckpt"
     resumed = model(**model_kwargs)
@@ -528,6 +567,8 @@ def assert_same_checkpoint(saved: dict, expected: dict) -> None:
         (TwoStepsPerBatch, False, False, "batch end"),
         (EndHookWithoutSuper, False, False, "next batch start"),
         (EndHookWithoutSuper, False, False, "epoch end"),
+        (EpochHooksWithoutSuper, False, False, "train end"),
+        (TrainEndWithoutSuper, False, False, "train end"),
         (WithoutMixin, False, False, "next batch start"),
         (WithoutMixin, False, False, "epoch end"),
     ],
@@ -538,6 +579,8 @@ def assert_same_checkpoint(saved: dict, expected: dict) -> None:
         "two-steps-per-batch",
         "end-hook-without-super",
         "end-hook-without-super-last-step",
+        "batch-and-epoch-hooks-without-super",
+        "train-end-without-super",
         "monitor-without-mixin",
         "monitor-without-mixin-last-step",
     ],
@@ -553,7 +596,7 @@ def test_ctrl_c_in_a_lightning_step_saves_a_checkpoint_that_resumes_exactly(
     Ctrl-C there, and resumes the same. A launcher's second copy of the signal changes
     nothing; without the end hook's ``super()``, or without the mixin but with the monitor,
     the next batch's start or the epoch's end raises it."""
-    at = 5 if torch_at == "epoch end" else 2 * steps_per_batch(model)  # the last, or batch 3
+    at = 5 if torch_at in ("epoch end", "train end") else 2 * steps_per_batch(model)  # last, 3rd
     kwargs = {"force_staging": True, "overlap_step": overlap}
     ours = CtrlC(monkeypatch, at, "step", twice)
     saved, resumed = interrupted_then_resumed(tmp_path / "ours", monkeypatch, model, kwargs, ours)
