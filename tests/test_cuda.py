@@ -63,6 +63,28 @@ def test_bf16_parameters_match_fp32_master_reference_on_cuda(reload):
     assert_same(params, [m.detach().to(torch.bfloat16) for m in masters])
 
 
+def test_steps_on_a_users_stream_with_all_state_resident_match_torch_on_cuda():
+    """The updates run on the user's stream; ``state_dict()`` writes the resident state back on
+    a copy stream, which must come after them with no wait for that stream by the user."""
+    params = make_params(SHAPES, device=CUDA)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=0.01, chunk_size=CHUNK, resident=1.0)
+    torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(2)
+    users = torch.cuda.Stream()
+    for _ in range(3):
+        set_grads([params, reference], generator)
+        users.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(users):
+            offload.step()
+        torch_opt.step()
+    saved = offload.state_dict()["state"]
+    torch.cuda.current_stream().wait_stream(users)  # the test's own reads of the parameters
+    for index, r in enumerate(reference):
+        assert_same([saved[index]["exp_avg_sq"]], [torch_opt.state[r]["exp_avg_sq"]])
+    assert_same(params, reference)
+
+
 def test_host_buffers_are_pinned_and_not_rounded_up():
     params = make_params(SHAPES, device=CUDA)
     opt = OffloadAdamW(params, chunk_size=CHUNK)
