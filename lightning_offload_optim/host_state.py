@@ -236,8 +236,11 @@ def _release_pinned(
 
 def _release_deferred() -> None:
     """Release the pinned buffers whose release was put off, unless a capture is on."""
-    while _deferred_releases and not _capturing():
-        pointers, in_flight, keep_alive = _deferred_releases.pop()
+    while not _capturing():
+        try:  # a finalizer run meanwhile (garbage collection, another thread) may take it
+            pointers, in_flight, keep_alive = _deferred_releases.pop()
+        except IndexError:
+            return
         for event in in_flight:
             if event is not None:
                 event.synchronize()

@@ -269,17 +269,48 @@ def test_pinned_buffers_freed_during_a_graph_capture_are_released_after_it(monke
         assert opt.memory_stats()["pinned"] and pointers
         return opt, pointers
 
+    class LastCopy:  # an arena's last copy, waited for only outside a capture
+        def synchronize(self) -> None:
+            assert not capturing[0], "an event waited for during a graph capture"
+            waited.append(self)
+
+    waited: list[LastCopy] = []
     opt, first = trained_pinned()
+    for arena in opt._host.arenas:
+        arena.written_by(LastCopy())
+    del arena
     capturing[0] = True
     del opt
     gc.collect()
-    assert unregistered == []
+    assert unregistered == [] and waited == []
     capturing[0] = False
     second_opt, second = trained_pinned()
     assert sorted(unregistered) == sorted(first)
+    assert len(waited) == len(first) // 2  # each arena's (two state keys each)
     del second_opt
     gc.collect()
     assert sorted(unregistered) == sorted(first + second)  # freed outside a capture: at once
+
+
+def test_a_release_run_during_another_takes_each_deferred_buffer_once(monkeypatch):
+    """A finalizer may run inside the release loop (garbage collection in Python code, another
+    thread while an event wait lets go of the GIL) and take what the loop was about to."""
+    from lightning_offload_optim import host_state
+
+    unregistered: list[int] = []
+    monkeypatch.setattr(host_state, "_cuda_host_unregister", unregistered.append)
+    monkeypatch.setattr(host_state, "_deferred_releases", [([1], [None], [])])
+    calls = [0]
+
+    def capturing() -> bool:
+        calls[0] += 1
+        if calls[0] == 1:  # another arena's finalizer runs here
+            host_state._release_pinned([2], [None], [])
+        return False
+
+    monkeypatch.setattr(host_state, "_capturing", capturing)
+    host_state._release_deferred()
+    assert sorted(unregistered) == [1, 2]
 
 
 def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
