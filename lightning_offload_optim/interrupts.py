@@ -104,15 +104,18 @@ class SigintHold:
         if self._insisted and not self.updating:
             self.end()
 
-    def end(self) -> None:
-        """Give SIGINT back to its handler and deliver a held one to it. Where something else
-        gave it back first (Lightning restores the handlers it saved when a fit ends, before
-        the module's ``teardown``), a held one is still delivered; where another handler took
-        SIGINT over, it is not: it was not meant for that one."""
+    def end(self, deliver: bool = True) -> None:
+        """Give SIGINT back to its handler and deliver a held one to it (unless ``deliver`` is
+        false: the press was for something that is over). Where something else gave it back
+        first (Lightning restores the handlers it saved when a fit ends, before the module's
+        ``teardown``), a held one is still delivered; where another handler took SIGINT over,
+        it is not: it was not meant for that one."""
         meant_for = self._meant_for
         if self.holding:
             signal.signal(signal.SIGINT, meant_for)
         elif signal.getsignal(signal.SIGINT) is not meant_for:
+            self.arrived = False
+        if not deliver:
             self.arrived = False
         self._handler = None
         if self.arrived:

@@ -673,6 +673,45 @@ def test_a_held_ctrl_c_is_raised_before_validation_after_the_batch(tmp_path, mon
     assert not getattr(model, "validated", False)
 
 
+class PressThenFail(Callback):
+    """A Ctrl-C in the step of the second batch, then an unrelated error in this callback's
+    ``on_train_batch_end``, before any hook that ends the hold."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.failed = False
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == 1 and not self.failed:
+            sigint_on_call(self.monkeypatch, adamw_module, "adamw_update", {2})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 2 and not self.failed:
+            self.failed = True
+            raise RuntimeError("unrelated failure")
+
+
+@pytest.mark.parametrize(
+    "model", [ValidatedWithoutEndHook, ValidatedWithoutMixin], ids=["mixin", "monitor-only"]
+)
+def test_a_press_held_in_a_fit_that_failed_does_not_stop_the_next_run(tmp_path, monkeypatch, model):
+    """Lightning's path for an exception other than Ctrl-C runs no hook that ends the hold (it
+    gives SIGINT back itself). The press was for the failed fit: the next ``validate`` or
+    ``fit`` of the same trainer must run, not stop at once."""
+    model = model(force_staging=True)
+    monitor = [OffloadMonitor(summary=False)] if isinstance(model, WithoutMixin) else []
+    fit = trainer(tmp_path, callbacks=[PressThenFail(monkeypatch), *monitor])
+    with pytest.raises(RuntimeError, match="unrelated failure"):
+        fit.fit(model)
+    monkeypatch.undo()
+    assert fit.global_step == 2  # the press was held in the second step
+    fit.validate(model, verbose=False)
+    assert model.validated
+    fit.fit(model)  # the rest of the steps
+    assert fit.global_step == 6
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 class FaultInStep(Callback):
     """A fault partway through the update of the third step: the optimizer then refuses to be
     saved, so ``OnExceptionCheckpoint`` raises in Lightning's exception handling, which then

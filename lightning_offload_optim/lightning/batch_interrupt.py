@@ -48,6 +48,16 @@ def raise_held_ctrl_c(trainer: pl.Trainer | None) -> None:
         hold.end()
 
 
+def drop_stale_ctrl_c_hold(trainer: pl.Trainer | None) -> None:
+    """A run of ``trainer`` starts: end a hold left by an earlier run without delivering its
+    press. Lightning's path for an exception other than Ctrl-C runs none of the hooks that end
+    a hold (nor ``teardown``), and the run the press was for is over; delivered later, it
+    would stop the next ``fit`` or ``validate`` at once."""
+    hold = _HOLDS.pop(trainer, None) if trainer is not None else None
+    if hold is not None:
+        hold.end(deliver=False)
+
+
 def _fitting(trainer: pl.Trainer) -> Callable[[], bool]:
     """Whether ``trainer`` still runs (an exception ends it without the batch's end hooks)."""
     running = weakref.ref(trainer)

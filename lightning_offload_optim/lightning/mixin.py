@@ -15,6 +15,7 @@ import torch
 
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.lightning.batch_interrupt import (
+    drop_stale_ctrl_c_hold,
     hold_ctrl_c_until_batch_end,
     raise_held_ctrl_c,
 )
@@ -229,6 +230,13 @@ class OffloadOptimizerMixin:
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+    def setup(self, stage: str) -> None:
+        """Each run (``fit``, ``validate``...) starts without a Ctrl-C hold left by an earlier
+        one that failed before its batch's end
+        (:func:`~lightning_offload_optim.lightning.batch_interrupt.drop_stale_ctrl_c_hold`)."""
+        drop_stale_ctrl_c_hold(getattr(self, "_trainer", None))
+        super().setup(stage)  # type: ignore[misc]
 
     def on_fit_start(self) -> None:
         """Turn ``overlap_step`` off, with a warning, where a callback averages the weights right

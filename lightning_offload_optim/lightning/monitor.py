@@ -13,6 +13,7 @@ from torchmetrics import Metric
 
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.lightning.batch_interrupt import (
+    drop_stale_ctrl_c_hold,
     hold_ctrl_c_until_batch_end,
     raise_held_ctrl_c,
 )
@@ -97,6 +98,9 @@ class OffloadMonitor(Callback):
         self._hooks: list[RemovableHandle] = []
         self._seen: dict[int, StepRecord | None] = {}
         self._pending: list[StepRecord] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        drop_stale_ctrl_c_hold(trainer)  # from a run that failed before its batch's end
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._optimizers = [
