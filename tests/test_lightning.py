@@ -73,16 +73,56 @@ def test_16_mixed_skips_non_finite_steps_like_torch(tmp_path):
     assert step == reference.trainer.optimizers[0].state_dict()["state"][0]["step"]
 
 
-def test_bf16_true_keeps_fp32_state_and_stays_close_to_torch(tmp_path):
-    offload, reference = fit(tmp_path, precision="bf16-true")
+class MasterCopyAdamW(torch.optim.Optimizer):
+    """The exact reference for bf16 parameters, in torch alone: fused AdamW on fp32 copies of
+    them, fed their upcast gradients, the parameters rounded from the copies after each step."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], **defaults: Any) -> None:
+        super().__init__(param_groups, defaults)
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.masters = {p: p.detach().float() for p in params}
+        self.fp32 = torch.optim.AdamW(
+            [{**g, "params": [self.masters[p] for p in g["params"]]} for g in self.param_groups],
+            fused=True,
+        )
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for p, master in self.masters.items():
+            master.grad = None if p.grad is None else p.grad.float()
+        self.fp32.step()
+        for p, master in self.masters.items():
+            p.copy_(master)
+        return loss
+
+
+class MasterCopyReference(TinyModel):
+    def configure_optimizers(self) -> Any:
+        if self.hparams.optimizer == "offload":
+            return super().configure_optimizers()
+        hp = self.hparams
+        return MasterCopyAdamW(
+            self.reference_param_groups(), lr=hp.lr, weight_decay=hp.weight_decay
+        )
+
+
+def test_bf16_true_keeps_fp32_state_and_master_copies_exactly(tmp_path):
+    offload, reference = fit(tmp_path, MasterCopyReference, precision="bf16-true")
     opt = offload.trainer.optimizers[0]
-    weight = offload.net[0].weight
-    assert weight.dtype == torch.bfloat16
-    state = opt.offloaded_state(weight)
-    assert {v.dtype for v in state.values()} == {torch.float32}
-    assert_same([state["master_param"].to(torch.bfloat16)], [weight])
+    assert offload.net[0].weight.dtype == torch.bfloat16
+    assert_same(list(offload.parameters()), list(reference.parameters()))
+    fp32 = reference.trainer.optimizers[0]
     for p, r in zip(offload.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, r, rtol=2e-2, atol=2e-2)
+        state, master = opt.offloaded_state(p), fp32.masters[r]
+        assert {v.dtype for v in state.values()} == {torch.float32}
+        assert_same(
+            [state["master_param"], state["exp_avg_sq"]],
+            [master, fp32.fp32.state[master]["exp_avg_sq"]],
+        )
 
 
 def test_manual_optimization(tmp_path):

@@ -96,8 +96,11 @@ def test_plain_lightning_checkpoint_without_metadata_loads(tmp_path):
     plain = tmp_path / "plain.ckpt"
     torch.save(saved, plain)
     resumed = resume(tmp_path / "plain", "offload", plain)
-    reference = resume(tmp_path / "ref", "offload", ckpt)
+    reference = resume(
+        tmp_path / "ref", "torch", checkpoints(tmp_path / "ref", "torch", 4) / "step=4.ckpt"
+    )
     assert_same(list(resumed.parameters()), list(reference.parameters()))
+    assert resumed.trainer.optimizers[0].state_dict()["state"][0]["step"] == TOTAL_STEPS
 
 
 def test_monitor_counters_continue_after_resume(tmp_path):

@@ -32,6 +32,8 @@ NAMES = {
     "offload/host_bytes_all_ranks",
     "offload/host_pinned",
     "offload/total_moved_bytes",
+    "offload/staging_bytes",
+    "offload/interval_steps",
 }
 
 
@@ -54,6 +56,9 @@ def test_metrics_reach_the_logger_at_its_cadence(tmp_path):
         assert float(row["offload/host_bytes"]) == state_bytes
         assert float(row["offload/host_bytes_all_ranks"]) == state_bytes  # one rank
         assert float(row["offload/host_pinned"]) == 0.0
+        # Two staging buffers of the largest chunk (64 elements) for exp_avg and exp_avg_sq.
+        assert float(row["offload/staging_bytes"]) == 2 * 2 * 64 * 4
+        assert float(row["offload/interval_steps"]) == 2
         assert float(row["offload/h2d_ms"]) > 0 and float(row["offload/h2d_gbps"]) > 0
         assert float(row["offload/step_ms_max"]) >= float(row["offload/step_ms"]) > 0
     # Each step moves the whole state in and out once.
@@ -372,7 +377,7 @@ def test_failed_pinning_falls_back_with_one_warning(tmp_path):
     (opt,) = model.trainer.optimizers
     assert opt.memory_stats()["pinned"] is False
 
-    reference = TinyModel(force_staging=True)
+    reference = TinyModel(optimizer="torch")
     trainer(tmp_path / "plain").fit(reference)
     assert_same(list(model.parameters()), list(reference.parameters()))
 
