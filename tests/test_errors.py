@@ -33,6 +33,20 @@ def snapshot(opt, params):
     return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
 
 
+def assert_steps_on_like_torch(opt, params, before) -> None:
+    """The optimizer still works, and exactly: its next step equals torch fused AdamW's from
+    the snapshot taken before the failure, on the same gradients."""
+    saved_params, saved_state = before
+    reference = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    torch_opt.load_state_dict(copy.deepcopy(saved_state))
+    for p, r in zip(params, reference, strict=True):
+        r.grad = None if p.grad is None else p.grad.clone()
+    opt.step()
+    torch_opt.step()
+    assert_same(params, reference)
+
+
 def assert_unchanged(opt, params, before):
     saved_params, saved_state = before
     assert_same(params, saved_params)
@@ -140,7 +154,7 @@ def test_allocation_failure_while_staging_leaves_everything_untouched(monkeypatc
         opt.step()
     monkeypatch.undo()
     assert_unchanged(opt, params, before)
-    opt.step()  # and the optimizer still works afterwards
+    assert_steps_on_like_torch(opt, params, before)
 
 
 def test_resident_allocation_failure_leaves_everything_untouched_and_chooses_again(monkeypatch):
@@ -567,7 +581,8 @@ def test_load_that_torch_refuses_changes_nothing_when_written_in_place():
 
 
 def test_interrupted_in_place_load_refuses_until_the_next_load(monkeypatch):
-    opt, _ = trained()
+    opt, params = trained()
+    before = snapshot(opt, params)
     saved = copy.deepcopy(opt.state_dict())
     # The second of the in-place copies (the saved tensors are copies, so all are written).
     fail_on_call(monkeypatch, torch.Tensor, "copy_", 2, KeyboardInterrupt())
@@ -579,4 +594,4 @@ def test_interrupted_in_place_load_refuses_until_the_next_load(monkeypatch):
     ):
         opt.step()
     opt.load_state_dict(saved)
-    opt.step()
+    assert_steps_on_like_torch(opt, params, before)
