@@ -238,11 +238,22 @@ def record_update_order(monkeypatch: pytest.MonkeyPatch, optimizer: Any) -> list
     return updated
 
 
+def assert_resident_as_asked(optimizer: Any, resident_bytes: int | None = None) -> None:
+    """State kept on the device (``resident_bytes``, by default what the optimizer holds now)
+    exactly where a share was asked for: results are the same whatever the share, so only this
+    shows that it took effect."""
+    if resident_bytes is None:
+        resident_bytes = optimizer.memory_stats()["resident_bytes"]
+    assert (resident_bytes > 0) == (optimizer.resident not in (None, 0, 0.0))
+
+
 def assert_overlapped_alike(
     stream_order: Any, optimizer: Any, model: torch.nn.Module, twin: torch.nn.Module
 ) -> None:
-    """Every access ordered, and once the queued updates are done the same weights."""
+    """Every access ordered, state kept resident where asked, and once the queued updates are
+    done the same weights."""
     stream_order.expect_none()
+    assert_resident_as_asked(optimizer)
     optimizer.wait_for_updates()
     assert_same(list(model.parameters()), list(twin.parameters()))
 

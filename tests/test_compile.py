@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     assert_overlapped_alike,
+    assert_resident_as_asked,
     assert_same,
     overlapped_pair,
     token_batches,
@@ -127,6 +128,7 @@ def test_compiled_model_steps_as_torch(stream_order, resident, inside):
     # The watch saw the tied reads through the compiled forward: they are updated first.
     assert ours._overlap.early == {id(model.emb.weight), id(model.dec.weight)}
     stream_order.expect_none()
+    assert_resident_as_asked(ours)
     ours.wait_for_updates()
     assert_same(list(model.parameters()), list(twin.parameters()))
 
@@ -187,6 +189,7 @@ def test_compiled_lightning_module_trains_as_torch(tmp_path, stream_order, resid
     stream_order.expect_none()
     assert_same(list(offload.parameters()), list(reference.parameters()))
     assert at_end.overlap.early == {id(offload.net[3].weight)}  # the watch saw the penalty
+    assert (at_end.stats["resident_bytes"] > 0) == (resident is not None)
     assert not getattr(offload.training_step, "_offload_watch", False)
     # Lightning's compiled training_step, given back by the watch
     assert hasattr(vars(offload)["training_step"], "_torchdynamo_orig_callable")

@@ -17,7 +17,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same, overlapped_pair, run_script, token_batches, train_alike
+from conftest import (
+    assert_resident_as_asked,
+    assert_same,
+    overlapped_pair,
+    run_script,
+    token_batches,
+    train_alike,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_models import make_data, torch_reference, trainer
 from torch import nn
@@ -65,6 +72,14 @@ class Base(OffloadOptimizerMixin, pl.LightningModule):
 
     def build(self) -> None:
         raise NotImplementedError
+
+    def on_train_end(self) -> None:
+        """Note the resident state before the mixin's hook frees it."""
+        optimizer = self.trainer.optimizers[0]
+        if isinstance(optimizer, OffloadAdamW):
+            self.resident_at_end = optimizer.memory_stats()["resident_bytes"]
+            assert_resident_as_asked(optimizer, self.resident_at_end)
+        super().on_train_end()
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(make_data(16), batch_size=4)
@@ -447,6 +462,7 @@ def test_activation_checkpointing_plain(stream_order, resident, set_to_none):
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
     stream_order.expect_none()
+    assert_resident_as_asked(optimizer)
     optimizer.wait_for_updates()
     assert_losses_equal(losses[0], losses[1])
     assert_same(list(model.parameters()), list(twin.parameters()))
@@ -504,6 +520,7 @@ def test_an_evaluation_forward_between_step_and_next_forward(stream_order, resid
     ours = eval_loop(model, optimizer, mode)
     theirs = eval_loop(twin, torch.optim.AdamW(twin.parameters(), lr=0.05, fused=True), mode)
     stream_order.expect_none()
+    assert_resident_as_asked(optimizer)
     assert_same(ours, theirs)
     optimizer.wait_for_updates()
     assert_same(list(model.parameters()), list(twin.parameters()))
@@ -552,6 +569,7 @@ def test_bf16_parameters_evaluated_between_steps(stream_order, resident):
             ours.append(model(x_val).clone())
             theirs.append(twin(x_val).clone())
     stream_order.expect_none()
+    assert_resident_as_asked(optimizer)
     assert_same(ours, theirs)
     optimizer.wait_for_updates()
     assert_same(list(model.parameters()), list(twin.parameters()))
@@ -656,6 +674,7 @@ def test_tied_weights_read_before_their_modules_run(stream_order, resident):
     train_alike([(model, ours), (twin, theirs)], token_batches(5, seed=5))
     ours.wait_for_updates()
     stream_order.expect_none()
+    assert_resident_as_asked(ours)
     assert_same(list(model.parameters()), list(twin.parameters()))
 
 
@@ -812,6 +831,7 @@ def test_a_wider_layer_first_used_later_grows_the_staging_buffers(stream_order, 
             optimizer.zero_grad()
     model(x, use_wide=True)  # waits for the last updates
     stream_order.expect_none()
+    assert_resident_as_asked(ours)
     assert_same(list(model.parameters()), list(twin.parameters()))
 
 
@@ -843,6 +863,7 @@ def test_state_dict_views_written_after_the_next_forward_pass(stream_order, resi
             optimizer.zero_grad()
     model(x)  # waits for the last updates
     stream_order.expect_none()
+    assert_resident_as_asked(ours)
     assert_same(list(model.parameters()), list(twin.parameters()))
 
 
