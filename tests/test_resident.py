@@ -117,44 +117,58 @@ def test_a_step_under_another_stream_is_ordered_before_what_follows_on_the_calle
 
 
 def test_checkpoints_are_the_same_whatever_the_share_and_load_into_any_share(stream_order):
+    """Both checkpoints equal torch fused AdamW's, trained alongside from the start."""
     params = make_params(SHAPES)
-    twins = clone_params(params)
+    twins, reference = clone_params(params), clone_params(params)
     kept, offloaded = staged(params, resident=0.6), staged(twins)
+    torch_opt = torch.optim.AdamW(reference, lr=0.05, fused=True)
     generator = torch.Generator().manual_seed(3)
-    step_together([kept, offloaded], [params, twins], generator, 3)
+    step_together([kept, offloaded, torch_opt], [params, twins, reference], generator, 3)
+    assert kept.memory_stats()["resident_bytes"] > 0
     saved, expected = kept.state_dict(), offloaded.state_dict()
-    for index, entry in expected["state"].items():
-        assert_same(list(saved["state"][index].values()), list(entry.values()))
+    for index, entry in torch_opt.state_dict()["state"].items():
+        for ours in (saved, expected):
+            assert ours["state"][index].keys() == entry.keys()
+            assert_same([ours["state"][index][k] for k in entry], list(entry.values()))
     # Offloaded state into a resident share, and the other way, then both train on alike.
     kept.load_state_dict(copy.deepcopy(expected))
     offloaded.load_state_dict(copy.deepcopy(saved))
-    reference = clone_params(params)
-    torch_opt = torch.optim.AdamW(reference, lr=0.05, fused=True)
-    torch_opt.load_state_dict(copy.deepcopy(expected))
     step_together([kept, offloaded, torch_opt], [params, twins, reference], generator, 2)
     stream_order.expect_none()
     assert_same(params, reference)
     assert_same(twins, reference)
 
 
-def test_auto_keeps_what_is_free_after_the_first_step_less_a_margin(monkeypatch):
+@pytest.mark.parametrize(
+    ("total_gib", "margin_gib"), [(10, 2), (40, 4)], ids=["2-gib-floor", "tenth-of-the-device"]
+)
+def test_auto_keeps_what_is_free_after_the_first_step_less_a_margin(
+    monkeypatch, total_gib, margin_gib
+):
+    """The margin is a tenth of the device's memory, and at least 2 GiB."""
     gib = 1 << 30
-    monkeypatch.setattr(resident_module, "free_device_memory", lambda device: 2 * gib + 3000)
-    monkeypatch.setattr(resident_module, "total_memory", lambda device: 10 * gib)
+    free = margin_gib * gib + 3000
+    monkeypatch.setattr(resident_module, "free_device_memory", lambda device: free)
+    monkeypatch.setattr(resident_module, "total_memory", lambda device: total_gib * gib)
     params = make_params(SHAPES)
     opt = staged(params, resident="auto")
     step_together([opt], [params], torch.Generator().manual_seed(4), 2)
-    # 3000 bytes free beyond the 2 GiB margin: the first parameter (1536 B) and the second
+    # 3000 bytes free beyond the margin: the first parameter (1536 B) and the second
     # (800 B) fit, the third (2560 B) does not, the fourth (56 B) does, the fifth does not.
     assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100 + 7)
 
 
-@pytest.mark.parametrize(("fraction", "expected_gib"), [(1.0, 50), (0.5, 10)])
-def test_auto_counts_only_what_the_allocator_may_still_take(monkeypatch, fraction, expected_gib):
+@pytest.mark.parametrize(
+    ("free_gib", "fraction", "expected_gib"), [(50, 1.0, 50), (50, 0.5, 10), (20, 1.0, 20)]
+)
+def test_auto_counts_only_what_the_allocator_may_still_take(
+    monkeypatch, free_gib, fraction, expected_gib
+):
     """A per-process memory fraction caps the caching allocator below what the device has
-    free: "auto" must not plan beyond the cap (the next forward pass would run out)."""
+    free: "auto" must not plan beyond the cap (the next forward pass would run out), nor
+    beyond what is free (other processes' memory) when the cap is higher."""
     gib = 1 << 30
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free_gib * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * gib)
     free = resident_module.free_device_memory(torch.device("cuda", 0))
@@ -205,9 +219,11 @@ def test_auto_does_not_shrink_when_it_chooses_again(monkeypatch):
     monkeypatch.setattr(resident_module, "total_memory", lambda device: 10 << 30)
     generator = torch.Generator().manual_seed(5)
     step_together([opt], [params], generator, 2, skip=lambda i: i == 4)
-    before = opt.memory_stats()["resident_bytes"]
+    # 8120 bytes over the margin: the first four parameters' state (4952 B) fits, the fifth's
+    # (5120 B) does not fit beside it, before or after it joins.
+    assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100 + 320 + 7)
     step_together([opt], [params], generator, 2)  # the last parameter joins: choose again
-    assert opt.memory_stats()["resident_bytes"] >= before > 0
+    assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100 + 320 + 7)
 
 
 def test_resident_ranges_are_merged_and_empty_ones_dropped():
