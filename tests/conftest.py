@@ -207,6 +207,33 @@ def assert_state_offloaded(
         assert all(entry[k].key == k for k in marks)
 
 
+class MasterCopyAdamW(torch.optim.Optimizer):
+    """The exact reference for bf16 parameters, in torch alone: fused AdamW on fp32 copies of
+    them, fed their upcast gradients, the parameters rounded from the copies after each step."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], **defaults: Any) -> None:
+        super().__init__(param_groups, defaults)
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.masters = {p: p.detach().float() for p in params}
+        self.fp32 = torch.optim.AdamW(
+            [{**g, "params": [self.masters[p] for p in g["params"]]} for g in self.param_groups],
+            fused=True,
+        )
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for p, master in self.masters.items():
+            master.grad = None if p.grad is None else p.grad.float()
+        self.fp32.step()
+        for p, master in self.masters.items():
+            p.copy_(master)
+        return loss
+
+
 def overlapped_pair(
     model: torch.nn.Module,
     twin: torch.nn.Module,

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import assert_same
+from conftest import MasterCopyAdamW, assert_same
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_models import (
     ManualModel,
@@ -71,33 +71,6 @@ def test_16_mixed_skips_non_finite_steps_like_torch(tmp_path):
     assert step == 2
     assert offload.trainer.precision_plugin.scaler.get_scale() == 65536.0 / 4
     assert step == reference.trainer.optimizers[0].state_dict()["state"][0]["step"]
-
-
-class MasterCopyAdamW(torch.optim.Optimizer):
-    """The exact reference for bf16 parameters, in torch alone: fused AdamW on fp32 copies of
-    them, fed their upcast gradients, the parameters rounded from the copies after each step."""
-
-    def __init__(self, param_groups: list[dict[str, Any]], **defaults: Any) -> None:
-        super().__init__(param_groups, defaults)
-        params = [p for group in self.param_groups for p in group["params"]]
-        self.masters = {p: p.detach().float() for p in params}
-        self.fp32 = torch.optim.AdamW(
-            [{**g, "params": [self.masters[p] for p in g["params"]]} for g in self.param_groups],
-            fused=True,
-        )
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for p, master in self.masters.items():
-            master.grad = None if p.grad is None else p.grad.float()
-        self.fp32.step()
-        for p, master in self.masters.items():
-            p.copy_(master)
-        return loss
 
 
 class MasterCopyReference(TinyModel):

@@ -20,7 +20,14 @@ import pickle
 
 import pytest
 import torch
-from conftest import assert_same, clone_params, make_params, set_grads, step_together
+from conftest import (
+    MasterCopyAdamW,
+    assert_same,
+    clone_params,
+    make_params,
+    set_grads,
+    step_together,
+)
 from torch import nn
 
 from lightning_offload_optim import OffloadAdamW
@@ -684,15 +691,19 @@ def test_a_resume_keeps_the_same_parameters_outside_the_forward_pass():
     order; the tie goes by the param groups' order, not by where the state lies (forward order
     uninterrupted, declaration order after a resume): both runs keep the same one. The budget
     keeps the four layer tensors and then a bf16 vector (its master copy is a third key) or an
-    fp32 one, not both."""
+    fp32 one, not both. Both runs train as torch fused AdamW on fp32 masters does."""
 
-    def build():
+    def build_weights():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
         vectors = [
             nn.Parameter(torch.randn(64, dtype=torch.bfloat16)),
             nn.Parameter(torch.randn(64)),
         ]
+        return model, vectors
+
+    def build():
+        model, vectors = build_weights()
         opt = OffloadAdamW(
             [vectors[0], *model.parameters(), vectors[1]],
             force_staging=True,
@@ -726,7 +737,12 @@ def test_a_resume_keeps_the_same_parameters_outside_the_forward_pass():
         net.vectors = nn.ParameterList(vecs)  # named for resident_names
         assert resident_names(run, net) == {"0.weight", "0.bias", "1.weight", "1.bias", "vectors.0"}
         run.wait_for_updates()
-    assert_same(list(resumed.parameters()), list(model.parameters()))
+    reference, reference_vectors = build_weights()
+    params = [reference_vectors[0], *reference.parameters(), reference_vectors[1]]
+    train_on(reference, reference_vectors, MasterCopyAdamW(params, lr=1e-3), inputs)
+    expected = [*reference.parameters(), *reference_vectors]
+    assert_same(list(model.parameters()), expected)  # the vectors are registered last now
+    assert_same(list(resumed.parameters()), expected)
 
 
 # ------------------------------------------------- loads and edits through the state dict

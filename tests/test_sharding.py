@@ -76,7 +76,10 @@ def test_state_dict_views_the_host_buffers_and_copies_of_it_own_their_memory(mes
     ],
     ids=["full-tensor", "replicated", "same-sharding"],
 )
-def test_loaded_tensors_become_this_ranks_part(mesh, convert):
+def test_loaded_full_and_replicated_tensors_are_taken_on_one_rank(mesh, convert):
+    """On this 1-rank mesh a rank's part is the whole tensor: this checks that each form is
+    accepted and loaded whole. Taking a rank's slice of it is checked on 2 ranks
+    (``tests/test_sharded.py``: ``plain_full_tensors``, ``replicated_dtensors``)."""
     opt, param = trained(mesh)
     saved = opt.state_dict()
     expected = {k: v.full_tensor().clone() for k, v in saved["state"][0].items() if k != "step"}
