@@ -24,7 +24,7 @@ def staged(params, **kwargs) -> OffloadAdamW:
     return OffloadAdamW(params, lr=0.05, force_staging=True, chunk_size=128, **kwargs)
 
 
-@pytest.mark.parametrize("resident", [0.0, 0.3, 0.99, 1.0, 4000])
+@pytest.mark.parametrize("resident", [0.0, 0.3, 0.99, 1.0, 8 * (192 + 100 + 320)])
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_bit_identical_to_torch_whatever_the_share(stream_order, resident, amsgrad):
     params = make_params(SHAPES)
