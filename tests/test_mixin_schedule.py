@@ -695,3 +695,43 @@ def test_get_last_lr_reports_the_peaks_taken_before_the_first_step():
     schedule.take_set_lrs_as_peaks()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2 / 4, rel=1e-12)
     assert schedule.get_last_lr() == [optimizer.param_groups[0]["lr"]]
+
+
+def test_a_legacy_checkpoint_of_the_same_schedule_resumes_without_a_warning():
+    """A 0.1 checkpoint (the shape under ``lr_lambdas`` as warmup, total and min_ratio) resumed
+    with the same shape is not a changed horizon: no warning, and the lrs follow warm-up then
+    cosine, written out by hand."""
+
+    def expected(step: int, warmup: int = 2, total: int = 10, low: float = 0.2) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def make():
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return optimizer, WarmupCosineLR(
+            optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2
+        )
+
+    optimizer, schedule = make()
+    for _ in range(4):
+        optimizer.step()
+        schedule.step()
+    legacy = {k: v for k, v in schedule.state_dict().items() if k != "_written"}
+    for name in ("warmup_steps", "total_steps", "min_lr_ratio"):
+        legacy.pop(name)
+    legacy["lr_lambdas"] = [{"warmup": 2, "total": 10, "min_ratio": 0.2}]
+    saved_optimizer = optimizer.state_dict()
+    optimizer, schedule = make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.load_state_dict(saved_optimizer)
+        schedule.load_state_dict(legacy)
+    assert not [w for w in caught if "WarmupCosineLR" in str(w.message)]
+    lrs = []
+    for _ in range(4, 10):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert lrs == pytest.approx([expected(s) for s in range(4, 10)], rel=1e-12)

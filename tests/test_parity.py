@@ -538,3 +538,20 @@ def test_varying_sets_of_active_parameters_keep_the_plan_cache_bounded():
     assert len(offload._plans) == PLAN_CACHE_SIZE
     assert_same(params, reference)
     assert_state_equal(offload, torch_opt, params, reference)
+
+
+@pytest.mark.parametrize("force_staging", [False, True])
+def test_a_parameter_given_new_memory_of_the_same_layout_is_updated_there(force_staging):
+    """``param.data = ...`` (``Module.to``, ``load_state_dict(assign=True)``) gives the parameter
+    new memory of the same shape, strides and dtype: the step updates the new memory, not a
+    cached view of the old one."""
+    params = make_params()
+    reference = clone_params(params)
+    opt = OffloadAdamW(params, force_staging=force_staging, chunk_size=64)
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    step_together([opt, torch_opt], [params, reference], generator, 1)
+    for p in (*params, *reference):
+        p.data = p.data.clone()
+    step_together([opt, torch_opt], [params, reference], generator, 2)
+    assert_same(params, reference)

@@ -552,3 +552,63 @@ def test_copies_are_queued_ahead_again_after_a_step_that_read_lent_views(stream_
     stream_order.expect_none()
     ours.wait_for_updates()
     assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_release_of_a_pinned_arena_waits_for_its_last_write_and_its_last_read(monkeypatch):
+    """Unregistering (and unmapping) pinned memory while a copy still reads or writes it
+    corrupts memory: the finalizer waits for both the last copy into the buffers
+    (``written_by``) and the last copy out of them (``read_by``), and only then unregisters."""
+    from lightning_offload_optim import host_state
+
+    unregistered: list[int] = []
+    monkeypatch.setattr(host_state, "_cuda_host_unregister", unregistered.append)
+    monkeypatch.setattr(
+        host_state,
+        "_pinned_empty",
+        lambda numel, dtype, device: host_state.registered_empty(numel, dtype, lambda p, n: 0),
+    )
+    monkeypatch.setattr(host_state, "_capturing", lambda: False)
+    monkeypatch.setattr(host_state, "_deferred_releases", [])
+    waited: list[tuple[str, int]] = []
+
+    class Copy:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def synchronize(self) -> None:
+            waited.append((self.name, len(unregistered)))
+
+    layout = host_state.ParamLayout.of(torch.zeros(300))
+    arena = host_state.Arena([layout], ("exp_avg", "exp_avg_sq"), torch.float32, pin=True)
+    assert arena.pinned
+    arena.written_by(Copy("write"))
+    arena.read_by(Copy("read"))
+    del arena
+    gc.collect()
+    assert sorted(name for name, _ in waited) == ["read", "write"]
+    assert all(done == 0 for _, done in waited), "waited after unregistering"
+    assert len(unregistered) == 2  # one registration per key
+
+
+def test_buffers_of_state_cleared_for_every_parameter_are_freed():
+    """State cleared for all parameters (a fine-tuning phase that resets the optimizer) is laid
+    out afresh: the old arena holds nothing and is dropped, not kept (host memory the size of
+    the whole state, pinned on a GPU, leaked at each reset)."""
+    params = make_params()
+    opt = OffloadAdamW(params)
+    generator = torch.Generator().manual_seed(0)
+    step_together([opt], [params], generator, 1)
+    for p in params:
+        del opt.state[p]
+    step_together([opt], [params], generator, 1)
+    stats = opt.memory_stats()
+    assert stats["state_bytes"] == 8 * sum(p.numel() for p in params)
+    assert stats["host_bytes"] == stats["state_bytes"]
+    assert len(opt._host.arenas) == 1
+
+
+def test_an_optimizer_without_state_reports_nothing_pinned():
+    """Before any state exists no buffer is page-locked: ``memory_stats()`` (and so the
+    monitor's ``host_pinned``) says so."""
+    opt = OffloadAdamW(make_params(), pin_memory=False)
+    assert opt.memory_stats()["pinned"] is False

@@ -240,3 +240,50 @@ def test_state_on_another_mesh_with_the_same_placements_is_refused(mesh):
     with pytest.raises(ValueError, match=r"torch\.distributed\.checkpoint"):
         opt.load_state_dict(saved)
     assert_same([opt.offloaded_state(param)["exp_avg"].full_tensor()], [before])
+
+
+def test_own_sharded_entries_swapped_between_parameters_are_loaded_right(mesh):
+    """A DTensor state dict's local tensors are views that start inside the host buffers, not
+    at their start. Two of them loaded swapped must still be seen to overlap the buffers:
+    written in place one after the other, the second would read what the first overwrote."""
+    params = dtensor_params(mesh, [(64,)] * 3)
+    opt = OffloadAdamW(params, lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(64, generator=generator), mesh, [Shard(0)])
+        opt.step()
+    saved = opt.state_dict()
+    expected = {
+        i: {k: v.full_tensor().clone() for k, v in entry.items() if k != "step"}
+        for i, entry in saved["state"].items()
+    }
+    # Parameter 0 gets a copy of its own state; 1 and 2 get each other's (views of the buffers).
+    swapped = {0: copy.deepcopy(saved["state"][0]), 1: saved["state"][2], 2: saved["state"][1]}
+    opt.load_state_dict({**saved, "state": swapped})
+    for position, source in ((0, 0), (1, 2), (2, 1)):
+        loaded = opt.offloaded_state(params[position])
+        for key, value in expected[source].items():
+            assert_same([loaded[key].full_tensor()], [value])
+
+
+def test_partially_replicated_state_on_a_2d_mesh_is_refused(mesh):
+    """Only state replicated on every mesh dimension holds the whole tensor on each rank.
+    (Replicate, Shard(0)) on a 2-D mesh (HSDP, FSDP + TP) is still sharded: sliced as if
+    whole, a rank would load another rank's rows. It is refused, naming how to reshard."""
+    mesh2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    generator = torch.Generator().manual_seed(0)
+    placements = [Shard(0), Replicate()]
+    param = torch.nn.Parameter(
+        distribute_tensor(torch.randn(4, 4, generator=generator), mesh2d, placements)
+    )
+    opt = OffloadAdamW([param], lr=0.1)
+    param.grad = distribute_tensor(torch.randn(4, 4, generator=generator), mesh2d, placements)
+    opt.step()
+    saved = opt.state_dict()
+    entry = saved["state"][0]
+    entry["exp_avg"] = DTensor.from_local(
+        entry["exp_avg"].to_local().clone(), mesh2d, [Replicate(), Shard(0)]
+    )
+    with pytest.raises(ValueError, match=r"torch\.distributed\.checkpoint"):
+        opt.load_state_dict(saved)

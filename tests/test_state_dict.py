@@ -656,3 +656,23 @@ def test_entry_reduced_to_its_step_count_is_refused_by_state_dict_too():
     opt.state[params[1]] = {"step": torch.tensor(3.0)}
     with pytest.raises(KeyError, match=r"parameter 1 of param group 0 .*missing"):
         opt.state_dict()
+
+
+@pytest.mark.parametrize("force_staging", [False, True])
+def test_a_checkpoint_without_amsgrad_loads_into_an_optimizer_made_with_it(force_staging):
+    """The saved param group's amsgrad says which moments an entry holds (the load then takes
+    the saved group's settings, as torch's does): a checkpoint without amsgrad loads into an
+    optimizer built with ``amsgrad=True`` and trains on as torch does."""
+    params = make_params()
+    opt = OffloadAdamW(params, force_staging=force_staging, chunk_size=64)
+    generator = torch.Generator().manual_seed(0)
+    step_together([opt], [params], generator, 2)
+    saved = save_and_load(opt.state_dict())
+    resumed_params, reference = clone_params(params), clone_params(params)
+    resumed = OffloadAdamW(resumed_params, amsgrad=True, force_staging=force_staging, chunk_size=64)
+    torch_opt = torch.optim.AdamW(reference, amsgrad=True, fused=True)
+    torch_opt.load_state_dict(copy.deepcopy(saved))
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["amsgrad"] is False
+    step_together([resumed, torch_opt], [resumed_params, reference], generator, 2)
+    assert_same(resumed_params, reference)
