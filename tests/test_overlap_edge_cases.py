@@ -8,6 +8,8 @@ optimizers under the mixin, tuners and a failed ``fit``. Each compares with an i
 
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -486,3 +488,71 @@ def test_a_fit_that_failed_leaves_the_module_copyable_and_the_retry_frees_the_ol
     check = OldPipeline()
     trainer(tmp_path, max_steps=2, callbacks=[check]).fit(model)
     assert not check.alive
+
+
+def test_a_backward_after_the_step_waits_for_the_updates_reading_the_gradients(stream_order):
+    """The next micro-batch's forward runs before the step and its backward after it, with no
+    ``zero_grad`` in between: the backward accumulates, in place, into gradients the queued
+    updates still read. Its first gradient orders it after them (as for DDP's buckets)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    reference = copy.deepcopy(model)
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    ours.overlap_with(model)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    inputs = torch.randn(5, 3, 8, generator=torch.Generator().manual_seed(1))
+    for net, optimizer in ((model, ours), (reference, torch_opt)):
+        loss = net(inputs[0]).pow(2).sum()
+        for x in inputs[1:]:
+            loss.backward()
+            loss = net(x).pow(2).sum()  # built before the step, backward after it
+            optimizer.step()
+    stream_order.expect_none()
+    ours.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_no_unhooked_warning_for_isolated_steps_without_a_forward(stream_order):
+    """A step repeated without a forward pass in between is one step no hook preceded; two of
+    them far apart, with forward passes between, are not "the last two steps"."""
+    model = nn.Linear(4, 2)
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    ours.overlap_with(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            model(torch.ones(2, 4)).sum().backward()
+            ours.step()
+            ours.step()  # again, on the same gradients: no forward ran since the last step
+            ours.zero_grad()
+    stream_order.expect_none()
+
+
+def test_a_forward_that_raises_before_the_first_step_leaves_no_watch_behind():
+    """A forward that raises (an out-of-memory caught by a batch-size search) does not leave
+    the read watch on the torch-function stack, where it would watch, and slow, every op
+    outside the module until the first step, and mark reads there as reads before a hook."""
+
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail:  # before any submodule ran
+                raise RuntimeError("out of memory (simulated)")
+            return self.lin(x)
+
+    model = Flaky()
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    overlap = ours.overlap_with(model)
+    depth = torch._C._len_torch_function_stack()
+    with pytest.raises(RuntimeError, match="simulated"):
+        model(torch.ones(2, 4))
+    assert torch._C._len_torch_function_stack() == depth
+    model.lin.weight.sum()  # outside any forward: not a read before its hook
+    model.fail = False
+    model(torch.ones(2, 4)).sum().backward()
+    assert torch._C._len_torch_function_stack() == depth
+    assert not overlap.read_before_hook

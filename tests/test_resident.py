@@ -237,3 +237,22 @@ def test_resident_ranges_are_merged_and_empty_ones_dropped():
 
 def test_no_free_memory_figure_off_cuda():
     assert free_device_memory(torch.device("meta")) is None
+
+
+def test_state_is_kept_resident_again_after_release_device_memory(stream_order):
+    """After ``release_device_memory()`` (a second ``fit``), the next steps allocate again and
+    keep the same share resident; results stay torch's."""
+    params = make_params(SHAPES)
+    reference = clone_params(params)
+    ours = staged(params, resident=0.5)
+    torch_opt = torch.optim.AdamW(reference, lr=0.05, fused=True)
+    generator = torch.Generator().manual_seed(21)
+    step_together([ours, torch_opt], [params, reference], generator, 2)
+    before = ours.memory_stats()["resident_bytes"]
+    assert before > 0
+    ours.release_device_memory()
+    assert ours.memory_stats()["resident_bytes"] == 0
+    step_together([ours, torch_opt], [params, reference], generator, 2)
+    assert ours.memory_stats()["resident_bytes"] == before
+    assert_same(params, reference)
+    stream_order.expect_none()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
 from conftest import (
+    MasterCopyAdamW,
     assert_same,
     assert_state_offloaded,
     clone_params,
@@ -676,3 +678,63 @@ def test_a_checkpoint_without_amsgrad_loads_into_an_optimizer_made_with_it(force
     assert resumed.param_groups[0]["amsgrad"] is False
     step_together([resumed, torch_opt], [resumed_params, reference], generator, 2)
     assert_same(resumed_params, reference)
+
+
+def test_a_resumed_checkpoint_still_resumes_plain_torch_adamw_on_the_fused_kernel():
+    """Train, save, resume into a fresh OffloadAdamW, save again: the second checkpoint still
+    says ``fused=True``, so plain ``torch.optim.AdamW`` resumes it exactly, as the first."""
+    params = make_params()
+    uninterrupted = clone_params(params)
+    first = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
+    reference = torch.optim.AdamW(uninterrupted, lr=0.01, weight_decay=0.1, fused=True)
+    generator = torch.Generator().manual_seed(10)
+    step_together([first, reference], [params, uninterrupted], generator, 2)
+    resumed = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
+    resumed.load_state_dict(save_and_load(first.state_dict()))
+    step_together([resumed, reference], [params, uninterrupted], generator, 1)
+    saved = resumed.state_dict()
+    assert all(group.get("fused") is True for group in saved["param_groups"])
+    plain = torch.optim.AdamW(params)  # the default kernel unless the checkpoint says fused
+    plain.load_state_dict(save_and_load(saved))
+    step_together([plain, reference], [params, uninterrupted], generator, 3)
+    assert_same(params, uninterrupted)
+
+
+def test_a_rollback_loading_the_optimizer_before_the_weights_keeps_the_saved_masters():
+    """Rolling back to a bf16 checkpoint, the optimizer loaded before the model's weights: the
+    saved master copies are the truth although they do not round to the parameters yet. Only a
+    master that is this optimizer's own buffer (a DCP load in place) is taken from the
+    parameter. Training then goes on as torch's fused AdamW on fp32 masters does."""
+    params = make_params(dtype=torch.bfloat16)
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=0.05)
+    torch_ref = MasterCopyAdamW([{"params": reference}], lr=0.05)
+    step_together([ours, torch_ref], [params, reference], torch.Generator().manual_seed(5), 3)
+    saved = save_and_load(ours.state_dict())
+    weights = [p.detach().clone() for p in params]
+    step_together([ours], [params], torch.Generator().manual_seed(6), 2)  # then roll back:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours.load_state_dict(saved)  # the optimizer first,
+    with torch.no_grad():
+        for p, w in zip(params, weights, strict=True):
+            p.copy_(w)  # then the weights
+    for index, param in enumerate(params):
+        assert_same(
+            [ours.offloaded_state(param)["master_param"]], [saved["state"][index]["master_param"]]
+        )
+    step_together([ours, torch_ref], [params, reference], torch.Generator().manual_seed(7), 2)
+    assert_same(params, reference)
+
+
+def test_a_group_mixing_complex_and_real_parameters_does_not_claim_fused():
+    """torch's fused kernel takes no complex tensors: a group holding one does not save
+    ``fused=True``, which would stop ``torch.optim.AdamW`` from resuming the checkpoint."""
+    params = [*make_params([(5,)]), *make_params([(4,)], dtype=torch.complex64, seed=1)]
+    ours = OffloadAdamW(params, lr=0.01)
+    step_together([ours], [params], torch.Generator().manual_seed(12), 1)
+    saved = save_and_load(ours.state_dict())
+    assert saved["param_groups"][0]["fused"] is None
+    plain = torch.optim.AdamW(clone_params(params))
+    plain.load_state_dict(saved)
+    step_together([plain], [plain.param_groups[0]["params"]], torch.Generator().manual_seed(13), 1)
