@@ -129,27 +129,19 @@ def test_low_precision_resume_matches_uninterrupted_run():
     """Against an uninterrupted torch fused AdamW on fp32 masters, the parameters rounded from
     them: the checkpoint carries the master copies and the moments exactly."""
     params = make_params(dtype=torch.bfloat16)
-    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    reference = clone_params(params)
     first = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
-    reference = torch.optim.AdamW(masters, lr=0.01, weight_decay=0.1, fused=True)
+    torch_ref = MasterCopyAdamW([{"params": reference}], lr=0.01, weight_decay=0.1)
     generator = torch.Generator().manual_seed(4)
-
-    def steps(optimizer: OffloadAdamW) -> None:
-        for _ in range(3):
-            set_grads([params], generator)
-            for p, m in zip(params, masters, strict=True):
-                m.grad = p.grad.float()
-            optimizer.step()
-            reference.step()
-
-    steps(first)
+    step_together([first, torch_ref], [params, reference], generator, 3)
     second = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
     second.load_state_dict(save_and_load(first.state_dict()))
-    steps(second)
-    assert_same(params, [m.detach().to(torch.bfloat16) for m in masters])
-    for p, m in zip(params, masters, strict=True):
-        state = second.offloaded_state(p)
-        assert_same([state["master_param"], state["exp_avg"]], [m, reference.state[m]["exp_avg"]])
+    step_together([second, torch_ref], [params, reference], generator, 3)
+    assert_same(params, reference)
+    for p, r in zip(params, reference, strict=True):
+        state, master = second.offloaded_state(p), torch_ref.masters[r]
+        expected = [master, torch_ref.fp32.state[master]["exp_avg"]]
+        assert_same([state["master_param"], state["exp_avg"]], expected)
 
 
 def test_torch_low_precision_checkpoint_is_upcast_and_master_taken_from_params():
@@ -223,15 +215,22 @@ def test_state_dict_from_a_future_format_is_refused():
         OffloadAdamW(params).load_state_dict(future)
 
 
-def test_plain_torch_adamw_resumes_our_checkpoint_on_the_fused_kernel_exactly():
+@pytest.mark.parametrize("resumed", [False, True], ids=["saved", "saved-after-a-resume"])
+def test_plain_torch_adamw_resumes_our_checkpoint_on_the_fused_kernel_exactly(resumed):
     """Saved groups say fused=True: a torch.optim.AdamW built without ``fused`` takes it from
-    the checkpoint (as it takes every hyperparameter), so switching offloading off is exact."""
+    the checkpoint (as it takes every hyperparameter), so switching offloading off is exact;
+    also for a checkpoint saved by an optimizer that was itself resumed from one."""
     params = make_params()
     uninterrupted = clone_params(params)
     offload = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
     reference = torch.optim.AdamW(uninterrupted, lr=0.01, weight_decay=0.1, fused=True)
     generator = torch.Generator().manual_seed(10)
     step_together([offload, reference], [params, uninterrupted], generator, 3)
+    if resumed:
+        checkpoint = save_and_load(offload.state_dict())
+        offload = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
+        offload.load_state_dict(checkpoint)
+        step_together([offload, reference], [params, uninterrupted], generator, 1)
     plain = torch.optim.AdamW(params)  # default implementation unless told otherwise
     plain.load_state_dict(save_and_load(offload.state_dict()))
     assert all(group["fused"] is True for group in plain.param_groups)
@@ -678,26 +677,6 @@ def test_a_checkpoint_without_amsgrad_loads_into_an_optimizer_made_with_it(force
     assert resumed.param_groups[0]["amsgrad"] is False
     step_together([resumed, torch_opt], [resumed_params, reference], generator, 2)
     assert_same(resumed_params, reference)
-
-
-def test_a_resumed_checkpoint_still_resumes_plain_torch_adamw_on_the_fused_kernel():
-    """Train, save, resume into a fresh OffloadAdamW, save again: the second checkpoint still
-    says ``fused=True``, so plain ``torch.optim.AdamW`` resumes it exactly, as the first."""
-    params = make_params()
-    uninterrupted = clone_params(params)
-    first = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
-    reference = torch.optim.AdamW(uninterrupted, lr=0.01, weight_decay=0.1, fused=True)
-    generator = torch.Generator().manual_seed(10)
-    step_together([first, reference], [params, uninterrupted], generator, 2)
-    resumed = OffloadAdamW(params, lr=0.01, weight_decay=0.1)
-    resumed.load_state_dict(save_and_load(first.state_dict()))
-    step_together([resumed, reference], [params, uninterrupted], generator, 1)
-    saved = resumed.state_dict()
-    assert all(group.get("fused") is True for group in saved["param_groups"])
-    plain = torch.optim.AdamW(params)  # the default kernel unless the checkpoint says fused
-    plain.load_state_dict(save_and_load(saved))
-    step_together([plain, reference], [params, uninterrupted], generator, 3)
-    assert_same(params, uninterrupted)
 
 
 def test_a_rollback_loading_the_optimizer_before_the_weights_keeps_the_saved_masters():
