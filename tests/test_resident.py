@@ -10,7 +10,14 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same, clone_params, make_params, step_together
+from conftest import (
+    MasterCopyAdamW,
+    assert_same,
+    clone_params,
+    make_params,
+    set_grads,
+    step_together,
+)
 
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim import resident as resident_module
@@ -60,18 +67,12 @@ def test_whole_parameters_in_order_stay_resident_and_are_not_copied():
 def test_bf16_parameters_with_master_copies(stream_order):
     """Against torch fused AdamW on fp32 copies of the parameters, rounded after each step."""
     params = make_params(SHAPES, dtype=torch.bfloat16)
-    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    reference = clone_params(params)
     everything = staged(params, resident=1.0)
-    fp32 = torch.optim.AdamW(masters, lr=0.05, fused=True)
-    generator = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        for p, m in zip(params, masters, strict=True):
-            p.grad = torch.randn(p.shape, generator=generator, dtype=torch.bfloat16)
-            m.grad = p.grad.float()
-        everything.step()
-        fp32.step()
+    fp32 = MasterCopyAdamW([{"params": reference}], lr=0.05)
+    step_together([everything, fp32], [params, reference], torch.Generator().manual_seed(2), 3)
     stream_order.expect_none()
-    assert_same(params, [m.detach().to(torch.bfloat16) for m in masters])
+    assert_same(params, reference)
     assert everything.memory_stats()["resident_bytes"] == everything.memory_stats()["state_bytes"]
 
 
@@ -87,14 +88,12 @@ def test_a_step_under_another_stream_is_ordered_before_what_follows_on_the_calle
 
     simulated = device_module(torch.device("cpu"))
     params = make_params(SHAPES, dtype=torch.bfloat16)
-    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    reference = clone_params(params)
     opt = staged(params, resident=1.0)
-    fp32 = torch.optim.AdamW(masters, lr=0.05, fused=True)
+    fp32 = MasterCopyAdamW([{"params": reference}], lr=0.05)
     generator = torch.Generator().manual_seed(5)
     for users_stream in (False, True):
-        for p, m in zip(params, masters, strict=True):
-            p.grad = torch.randn(p.shape, generator=generator, dtype=torch.bfloat16)
-            m.grad = p.grad.float()
+        set_grads([params, reference], generator)
         if users_stream:  # after the gradients, as CUDA asks of the user
             stream = simulated.Stream()
             stream.wait_stream(simulated.current_stream())
@@ -107,13 +106,13 @@ def test_a_step_under_another_stream_is_ordered_before_what_follows_on_the_calle
     opt.release_device_memory()
     torch.empty(4096).fill_(1.0)  # the default stream's next allocation may reuse that memory
     stream_order.expect_none()
-    expected = fp32.state_dict()["state"]
+    expected = fp32.fp32.state_dict()["state"]
     for index, entry in saved["state"].items():
         assert_same(
             [entry["exp_avg"], entry["exp_avg_sq"]],
             [expected[index]["exp_avg"], expected[index]["exp_avg_sq"]],
         )
-    assert_same(params, [m.detach().to(torch.bfloat16) for m in masters])
+    assert_same(params, reference)
 
 
 def test_checkpoints_are_the_same_whatever_the_share_and_load_into_any_share(stream_order):
