@@ -110,16 +110,12 @@ class SigintHold:
         first (Lightning restores the handlers it saved when a fit ends, before the module's
         ``teardown``), a held one is still delivered; where another handler took SIGINT over,
         it is not: it was not meant for that one."""
-        meant_for = self._meant_for
-        if self.holding:
+        meant_for, holding = self._meant_for, self.holding
+        if holding:
             signal.signal(signal.SIGINT, meant_for)
-        elif signal.getsignal(signal.SIGINT) is not meant_for:
-            self.arrived = False
-        if not deliver:
-            self.arrived = False
-        self._handler = None
-        if self.arrived:
-            self.arrived = False
+        given_back = holding or signal.getsignal(signal.SIGINT) is meant_for
+        arrived, self.arrived, self._handler = self.arrived, False, None
+        if arrived and deliver and given_back:
             deliver_sigint(meant_for)
 
 
