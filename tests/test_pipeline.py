@@ -242,24 +242,31 @@ def test_registration_in_pieces_and_clean_up_after_a_failure(monkeypatch):
     assert calls == [2 * page, 2 * page, page] and len(pointers) == 3
 
 
-def test_pinned_buffers_freed_during_a_graph_capture_are_released_after_it(monkeypatch):
-    """Waiting for an event and cudaHostUnregister are not allowed while a CUDA graph is
-    captured, and garbage collection may free an arena inside a capture
-    (``torch.compile(mode="reduce-overhead")``): its release waits for the next pinned arena
-    made outside a capture."""
+def fake_cuda_pinning(monkeypatch: pytest.MonkeyPatch, capturing: list[bool]) -> list[int]:
+    """Pinned arenas on the CPU: pages "registered" with no runtime, graph capture on while
+    ``capturing[0]``, no release put off by other tests; returns the pointers unregistered."""
     from lightning_offload_optim import host_state
 
     unregistered: list[int] = []
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(host_state, "_cuda_host_unregister", unregistered.append)
     monkeypatch.setattr(
         host_state,
         "_pinned_empty",
         lambda numel, dtype, device: host_state.registered_empty(numel, dtype, lambda p, n: 0),
     )
-    capturing = [False]
     monkeypatch.setattr(host_state, "_capturing", lambda: capturing[0])
-    monkeypatch.setattr(host_state, "_deferred_releases", [])  # none left to other tests
+    monkeypatch.setattr(host_state, "_deferred_releases", [])
+    return unregistered
+
+
+def test_pinned_buffers_freed_during_a_graph_capture_are_released_after_it(monkeypatch):
+    """Waiting for an event and cudaHostUnregister are not allowed while a CUDA graph is
+    captured, and garbage collection may free an arena inside a capture
+    (``torch.compile(mode="reduce-overhead")``): its release waits for the next pinned arena
+    made outside a capture."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    capturing = [False]
+    unregistered = fake_cuda_pinning(monkeypatch, capturing)
 
     def trained_pinned() -> tuple[OffloadAdamW, list[int]]:
         params = make_params()
@@ -560,15 +567,7 @@ def test_release_of_a_pinned_arena_waits_for_its_last_write_and_its_last_read(mo
     (``written_by``) and the last copy out of them (``read_by``), and only then unregisters."""
     from lightning_offload_optim import host_state
 
-    unregistered: list[int] = []
-    monkeypatch.setattr(host_state, "_cuda_host_unregister", unregistered.append)
-    monkeypatch.setattr(
-        host_state,
-        "_pinned_empty",
-        lambda numel, dtype, device: host_state.registered_empty(numel, dtype, lambda p, n: 0),
-    )
-    monkeypatch.setattr(host_state, "_capturing", lambda: False)
-    monkeypatch.setattr(host_state, "_deferred_releases", [])
+    unregistered = fake_cuda_pinning(monkeypatch, [False])
     waited: list[tuple[str, int]] = []
 
     class Copy:
