@@ -109,9 +109,9 @@ class OffloadAdamW(torch.optim.AdamW):
             key's worth for bf16/fp16 parameters (their fp32 gradient scratch).
         force_staging: stage chunks through separate buffers even for CPU parameters (tests).
         resident: state to keep on the device, where it is updated in place and never copied:
-            a share of the state (``0.25``), a number of bytes, or ``"auto"`` (what is free on
-            the device after the first step, within any per-process memory fraction, less a
-            margin of 10% of the device's memory and at least 2 GiB).
+            a share of the state (``0.25``), a number of bytes per device, or ``"auto"`` (what
+            is free on each device after the first step, within any per-process memory
+            fraction, less a margin of 10% of the device's memory and at least 2 GiB).
             Whole parameters, those the forward pass uses first (see :meth:`overlap_with`;
             else as the param groups list them), each kept if it fits in what is left.
             Chosen at the start of each step whose parameters' state is laid out anew or whose
@@ -335,8 +335,8 @@ class OffloadAdamW(torch.optim.AdamW):
         listed.sort(key=first_use)  # stable: ties stay in param-group order
         candidates = (slots[p] for p in listed if p in slots and id(slots[p].arena) in staged)
         # Resident buffers held now are freed by the new choice: "auto" may count them.
-        budget = budget_bytes(self.resident, arenas, held=self._pipeline.resident_bytes)
-        chosen = choose_resident(candidates, budget)
+        held = self._pipeline.resident_bytes_by_device
+        chosen = choose_resident(candidates, budget_bytes(self.resident, arenas, held))
         ranges = {a: chosen.get(a, ResidentRanges()) for a in arenas}
         if any(a.resident != r for a, r in ranges.items()):
             self._pipeline.wait_host()  # resident state newer than the host's is written back

@@ -210,11 +210,16 @@ class StagingPipeline:
     @property
     def resident_bytes(self) -> int:
         """Bytes of state kept resident on the devices."""
-        return sum(
-            t.untyped_storage().nbytes()
-            for r in self._resident.values()
-            for t in r.buffers.values()
-        )
+        return sum(self.resident_bytes_by_device.values())
+
+    @property
+    def resident_bytes_by_device(self) -> dict[torch.device, int]:
+        """Bytes of state kept resident, per device."""
+        held: dict[torch.device, int] = {}
+        for arena, resident in self._resident.items():
+            nbytes = sum(t.untyped_storage().nbytes() for t in resident.buffers.values())
+            held[arena.device] = held.get(arena.device, 0) + nbytes
+        return held
 
     def host_written(self) -> None:
         """The host buffers were written (a load): reload resident state from them, and drop

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,32 +65,45 @@ def total_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def budget_bytes(resident: Resident, arenas: Sequence[Arena], held: int = 0) -> int:
-    """The bytes of the state of ``arenas`` (those staged to a device) to keep resident;
-    ``held``: resident bytes allocated now, which the new choice replaces."""
-    if resident is None or not arenas:
-        return 0
-    if resident == "auto":
-        free = free_device_memory(arenas[0].device)
-        if free is None:
-            return 0
-        margin = max(int(AUTO_MARGIN * total_memory(arenas[0].device)), AUTO_MARGIN_BYTES)
-        return max(0, free + held - margin)
-    if isinstance(resident, float):
-        return int(resident * sum(a.state_bytes(a.numel) for a in arenas))
-    return int(resident)
+def budget_bytes(
+    resident: Resident, arenas: Sequence[Arena], held: Mapping[torch.device, int] | None = None
+) -> dict[torch.device, int]:
+    """Per device, the bytes of the state of ``arenas`` (those staged to a device) to keep
+    resident there: a share of that device's state, the same number of bytes on each device,
+    or what ``"auto"`` finds free on it; ``held``: resident bytes allocated now on each
+    device, which the new choice replaces."""
+    held = held or {}
+    by_device: dict[torch.device, list[Arena]] = {}
+    for arena in arenas:
+        by_device.setdefault(arena.device, []).append(arena)
+    budgets = {}
+    for device, on_device in by_device.items():
+        if resident is None:
+            budgets[device] = 0
+        elif resident == "auto":
+            free = free_device_memory(device)
+            margin = max(int(AUTO_MARGIN * total_memory(device)), AUTO_MARGIN_BYTES)
+            budgets[device] = 0 if free is None else max(0, free + held.get(device, 0) - margin)
+        elif isinstance(resident, float):
+            budgets[device] = int(resident * sum(a.state_bytes(a.numel) for a in on_device))
+        else:
+            budgets[device] = int(resident)
+    return budgets
 
 
-def choose_resident(slots: Iterable[Slot], budget: int) -> dict[Arena, ResidentRanges]:
-    """The state to keep resident within ``budget`` bytes: ``slots`` in order of preference
-    (the parameters the forward pass uses first), each whole parameter kept if its state fits
-    in what is left, so one too large is passed over for smaller ones after it. Arenas with
-    nothing resident are left out."""
+def choose_resident(
+    slots: Iterable[Slot], budgets: Mapping[torch.device, int]
+) -> dict[Arena, ResidentRanges]:
+    """The state to keep resident within ``budgets`` (bytes per device): ``slots`` in order of
+    preference (the parameters the forward pass uses first), each whole parameter kept if its
+    state fits in what is left of its device's budget, so one too large is passed over for
+    smaller ones after it. Arenas with nothing resident are left out."""
+    left = dict(budgets)
     taken: dict[Arena, list[tuple[int, int]]] = {}
     for slot in slots:
         nbytes = slot.arena.state_bytes(slot.layout.numel)
-        if nbytes <= budget:
-            budget -= nbytes
+        if nbytes <= left.get(slot.arena.device, 0):
+            left[slot.arena.device] -= nbytes
             taken.setdefault(slot.arena, []).append((slot.offset, slot.offset + slot.layout.numel))
     return {arena: ResidentRanges.of(pieces) for arena, pieces in taken.items()}
 

@@ -225,6 +225,51 @@ def test_auto_does_not_shrink_when_it_chooses_again(monkeypatch):
     assert opt.memory_stats()["resident_bytes"] == 8 * (192 + 100 + 320 + 7)
 
 
+class _FakeArena:
+    """Stands in for an arena of fp32 state (two keys) on ``device``: a CPU test cannot hold
+    tensors on two devices, but the choice only reads where each arena lives and how large
+    each parameter's state is."""
+
+    def __init__(self, device: str, numel: int) -> None:
+        self.device = torch.device(device)
+        self.numel = numel
+
+    @staticmethod
+    def state_bytes(numel: int) -> int:
+        return 8 * numel
+
+
+def _slots(arena: _FakeArena, numels: list[int]) -> list:
+    from types import SimpleNamespace
+
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    return [
+        SimpleNamespace(arena=arena, offset=offset, layout=SimpleNamespace(numel=numel))
+        for offset, numel in zip(offsets, numels, strict=True)
+    ]
+
+
+def test_each_device_keeps_what_fits_in_its_own_budget(monkeypatch):
+    """One process with parameters on two GPUs: "auto" sizes each device's share from that
+    device's free memory (not the first arena's device for all), a byte budget holds on each
+    device, and a share is a share of each device's state."""
+    gib = 1 << 30
+    free = {torch.device("cuda:0"): 2 * gib + 700, torch.device("cuda:1"): 2 * gib + 8000}
+    monkeypatch.setattr(resident_module, "free_device_memory", lambda device: free[device])
+    monkeypatch.setattr(resident_module, "total_memory", lambda device: 10 * gib)
+    zero, one = arenas = [_FakeArena("cuda:0", 150), _FakeArena("cuda:1", 150)]
+    slots = _slots(zero, [100, 50]) + _slots(one, [100, 50])
+    auto = resident_module.budget_bytes("auto", arenas, held={torch.device("cuda:1"): 80})
+    assert auto == {zero.device: 700, one.device: 8080}
+    chosen = resident_module.choose_resident(slots, auto)
+    # cuda:0 has room for the 50-element parameter only (400 B), cuda:1 for both (1200 B).
+    assert chosen[zero].ranges == ((100, 150),)
+    assert chosen[one].ranges == ((0, 150),)
+    assert resident_module.budget_bytes(800, arenas) == {zero.device: 800, one.device: 800}
+    assert resident_module.budget_bytes(0.5, arenas) == {zero.device: 600, one.device: 600}
+    assert resident_module.budget_bytes(None, arenas) == {zero.device: 0, one.device: 0}
+
+
 def test_resident_ranges_are_merged_and_empty_ones_dropped():
     """Adjacent parameters kept resident form one range (chunks may span their boundary)."""
     ranges = ResidentRanges.of([(10, 20), (0, 10), (30, 30), (40, 50)])
