@@ -10,7 +10,15 @@ import copy
 
 import pytest
 import torch
-from conftest import SHAPES, assert_same, clone_params, make_params, set_grads, step_together
+from conftest import (
+    SHAPES,
+    MasterCopyAdamW,
+    assert_same,
+    clone_params,
+    make_params,
+    set_grads,
+    step_together,
+)
 from torch.testing._internal.common_optimizers import optim_db
 
 from lightning_offload_optim import OffloadAdamW
@@ -237,25 +245,24 @@ def test_complex_parameters(mode, amsgrad):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_parameters_keep_fp32_state_and_master(mode, dtype):
     params = make_params(dtype=dtype)
-    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    reference = clone_params(params)
     low_precision_reference = clone_params(params)
     offload = OffloadAdamW(params, lr=1e-2, **mode)
-    fp32_reference = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    fp32_reference = MasterCopyAdamW([{"params": reference}], lr=1e-2)
     torch_low_precision = torch.optim.AdamW(low_precision_reference, lr=1e-2)
     generator = torch.Generator().manual_seed(4)
     for _ in range(6):
-        set_grads([params, low_precision_reference], generator)
-        for p, m in zip(params, masters, strict=True):
-            m.grad = p.grad.float()
+        set_grads([params, reference, low_precision_reference], generator)
         for opt in (offload, fp32_reference, torch_low_precision):
             opt.step()
     # Exact: fp32 AdamW on the fp32 master copy, then rounded to the parameter dtype.
-    assert_same(params, [m.detach().to(dtype) for m in masters])
-    for p, m in zip(params, masters, strict=True):
+    assert_same(params, reference)
+    for p, r in zip(params, reference, strict=True):
         state = offload.offloaded_state(p)
+        master = fp32_reference.masters[r]
         assert {v.dtype for v in state.values()} == {torch.float32}
-        assert_same([state["master_param"]], [m])
-        assert_same([state["exp_avg_sq"]], [fp32_reference.state[m]["exp_avg_sq"]])
+        assert_same([state["master_param"]], [master])
+        assert_same([state["exp_avg_sq"]], [fp32_reference.fp32.state[master]["exp_avg_sq"]])
     # torch's own AdamW on low-precision params keeps low-precision state: for bf16 close, not
     # equal; for fp16, eps=1e-8 underflows to 0 and its exp_avg_sq underflows, giving inf.
     for p, r in zip(params, low_precision_reference, strict=True):
@@ -398,20 +405,18 @@ def test_fp32_and_bf16_parameters_in_one_optimizer(mode):
     fp32 = make_params([(300, 7), (1000,)])
     bf16 = make_params([(40, 30), (17,)], dtype=torch.bfloat16, seed=1)
     fp32_reference = clone_params(fp32)
-    masters = [torch.nn.Parameter(p.detach().float()) for p in bf16]
+    bf16_reference = clone_params(bf16)
     offload = OffloadAdamW([*fp32, *bf16], lr=0.01, **mode)
     torch_fp32 = torch.optim.AdamW(fp32_reference, lr=0.01, fused=True)
-    torch_masters = torch.optim.AdamW(masters, lr=0.01, fused=True)
+    torch_masters = MasterCopyAdamW([{"params": bf16_reference}], lr=0.01)
     generator = torch.Generator().manual_seed(9)
     for _ in range(4):
         set_grads([fp32, fp32_reference], generator)
-        set_grads([bf16], generator)
-        for p, m in zip(bf16, masters, strict=True):
-            m.grad = p.grad.float()
+        set_grads([bf16, bf16_reference], generator)
         for opt in (offload, torch_fp32, torch_masters):
             opt.step()
     assert_same(fp32, fp32_reference)
-    assert_same(bf16, [m.detach().to(torch.bfloat16) for m in masters])
+    assert_same(bf16, bf16_reference)
 
 
 def test_step_counts_are_float32_whatever_the_default_dtype():
