@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    MasterCopyAdamW,
     assert_resident_as_asked,
     assert_same,
     overlapped_pair,
@@ -544,12 +545,11 @@ def test_bf16_parameters_evaluated_between_steps(stream_order, resident):
     """bf16 parameters (fp32 master copies, a gradient scratch in the staging buffers) against
     torch fused AdamW on fp32 masters whose bf16 rounding computes the same gradients."""
     model, twin = SmallNet().to(torch.bfloat16), SmallNet().to(torch.bfloat16)
-    masters = [nn.Parameter(p.detach().float()) for p in twin.parameters()]
     optimizer = OffloadAdamW(
         model.parameters(), lr=0.05, force_staging=True, chunk_size=64, resident=resident
     )
     optimizer.overlap_with(model)
-    torch_opt = torch.optim.AdamW(masters, lr=0.05, fused=True)
+    torch_opt = MasterCopyAdamW(list(twin.parameters()), lr=0.05)
     generator = torch.Generator().manual_seed(4)
     x_val = torch.randn(5, 8, generator=generator, dtype=torch.bfloat16)
     ours, theirs = [], []
@@ -559,13 +559,9 @@ def test_bf16_parameters_evaluated_between_steps(stream_order, resident):
         optimizer.step()
         optimizer.zero_grad()
         twin(x).float().pow(2).mean().backward()
-        for p, m in zip(twin.parameters(), masters, strict=True):
-            m.grad = p.grad.float()
         torch_opt.step()
+        torch_opt.zero_grad()
         with torch.no_grad():
-            for p, m in zip(twin.parameters(), masters, strict=True):
-                p.copy_(m)
-                p.grad = None
             ours.append(model(x_val).clone())
             theirs.append(twin(x_val).clone())
     stream_order.expect_none()
@@ -573,8 +569,8 @@ def test_bf16_parameters_evaluated_between_steps(stream_order, resident):
     assert_same(ours, theirs)
     optimizer.wait_for_updates()
     assert_same(list(model.parameters()), list(twin.parameters()))
-    for p, m in zip(model.parameters(), masters, strict=True):
-        assert_same([optimizer.offloaded_state(p)["master_param"]], [m])
+    for p, t in zip(model.parameters(), twin.parameters(), strict=True):
+        assert_same([optimizer.offloaded_state(p)["master_param"]], [torch_opt.masters[t]])
 
 
 # --------------------------------- 5. a root-level parameter, a module reused, a changing forward
