@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from conftest import (
+    MasterCopyAdamW,
     assert_same,
     clone_params,
     forked_child_memory_map,
@@ -46,21 +47,19 @@ def test_bf16_parameters_match_fp32_master_reference_on_cuda(reload):
     distributed checkpoint's resume does): its master copies, on the host, are compared with
     the parameters on the GPU, and kept."""
     params = make_params(SHAPES, dtype=torch.bfloat16, device=CUDA)
-    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    reference = clone_params(params)
     offload = OffloadAdamW(params, lr=0.01, chunk_size=CHUNK)
-    fp32 = torch.optim.AdamW(masters, lr=0.01, fused=True)
+    fp32 = MasterCopyAdamW([{"params": reference}], lr=0.01)
     generator = torch.Generator().manual_seed(1)
     for step in range(3):
-        set_grads([params], generator)
-        for p, m in zip(params, masters, strict=True):
-            m.grad = p.grad.float()
+        set_grads([params, reference], generator)
         offload.step()
         fp32.step()
         if reload and step == 0:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # no master copy taken for stale
                 offload.load_state_dict(offload.state_dict())
-    assert_same(params, [m.detach().to(torch.bfloat16) for m in masters])
+    assert_same(params, reference)
 
 
 def test_steps_on_a_users_stream_with_all_state_resident_match_torch_on_cuda():
