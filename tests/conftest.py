@@ -209,7 +209,8 @@ def assert_state_offloaded(
 
 class MasterCopyAdamW(torch.optim.Optimizer):
     """The exact reference for bf16 parameters, in torch alone: fused AdamW on fp32 copies of
-    them, fed their upcast gradients, the parameters rounded from the copies after each step."""
+    them, fed their upcast gradients, the parameters rounded from the copies after each step.
+    DTensor parameters get DTensor copies, sharded alike."""
 
     def __init__(self, param_groups: list[dict[str, Any]], **defaults: Any) -> None:
         super().__init__(param_groups, defaults)

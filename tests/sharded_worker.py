@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from conftest import MasterCopyAdamW
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -83,28 +84,6 @@ def full(tensors) -> list[torch.Tensor]:
     return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
 
 
-class MasterAdamW:
-    """The reference for low-precision parameters: torch fused AdamW on fp32 copies (DTensors
-    sharded alike), gradients cast up, parameters rounded from the copies after each step."""
-
-    def __init__(self, params, **kwargs) -> None:
-        self.params = list(params)
-        self.masters = [p.detach().float().requires_grad_() for p in self.params]
-        self.inner = torch.optim.AdamW(self.masters, fused=True, **kwargs)
-
-    def step(self) -> None:
-        for p, m in zip(self.params, self.masters, strict=True):
-            m.grad = p.grad.float()
-        self.inner.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters, strict=True):
-                p.copy_(m)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-
 # ------------------------------------------------------------------------------ step scenarios
 def fsdp_pair(mesh, make_ours, make_reference, dtype=torch.float32, mp_policy=None, clip=True):
     result = {}
@@ -154,7 +133,7 @@ def fsdp_bf16_params(mesh) -> dict:
     return fsdp_pair(
         mesh,
         lambda p: OffloadAdamW(p, force_staging=True, chunk_size=128, **HYPER),
-        lambda p: MasterAdamW(p, **HYPER),
+        lambda p: MasterCopyAdamW(p, **HYPER),
         dtype=torch.bfloat16,
     )
 
@@ -543,8 +522,8 @@ def torch_bf16_checkpoint_to_ours(mesh, out: Path) -> dict:
     set_model_state_dict(fresh, state["model"])
     set_optimizer_state_dict(fresh, ours_optimizer, state["optim"])
 
-    reference = MasterAdamW(model.parameters(), **HYPER)
-    reference.inner.load_state_dict(optimizer.state_dict())
+    reference = MasterCopyAdamW(model.parameters(), **HYPER)
+    reference.fp32.load_state_dict(optimizer.state_dict())
     for step in range(STEPS, STEPS + 2):
         train_step(fresh, ours_optimizer, step, dtype=torch.bfloat16)
         train_step(model, reference, step, dtype=torch.bfloat16)
