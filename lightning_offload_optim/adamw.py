@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from lightning_offload_optim.functional import SPLIT_ALIGNMENT, adamw_update
+from lightning_offload_optim.functional import SPLIT_ALIGNMENT, adamw_update, take_edits
 from lightning_offload_optim.host_state import (
     MASTER_KEY,
     OFFLOADED_KEYS,
@@ -228,6 +228,9 @@ class OffloadAdamW(torch.optim.AdamW):
         self._pipeline.prepare(chunks)
         self._fill_new_state(active, new_slots)
         host_steps = [a.step for a in active]
+        # Only parameters with a master copy can lose an edit (fp32 ones are their own state).
+        with_master = [i for i, a in enumerate(active) if MASTER_KEY in a.slot.arena.keys]
+        edited = _edited_since_last_step(active, with_master, new_slots)
         pin = self.pin_memory and not self._host.pin_failed
         device_steps = self._steps_on_devices(active, host_steps, pin, self._pipeline.stages)
 
@@ -241,7 +244,7 @@ class OffloadAdamW(torch.optim.AdamW):
             hyper = [_snapshot_lr(h, self._pipeline) for h in hyper]
 
         def update(chunk: Chunk, views: dict[str, Tensor]) -> None:
-            self._update_chunk(chunk, views, active, device_steps, hyper)
+            self._update_chunk(chunk, views, active, device_steps, hyper, edited)
 
         # Everything is checked and allocated: from here on the update runs (a Ctrl-C waits).
         with keyboard_interrupts_held():
@@ -255,6 +258,8 @@ class OffloadAdamW(torch.optim.AdamW):
                 # A tensor increment: 4x faster than a Python scalar over many tensors on the CPU.
                 torch._foreach_add_(host_steps, torch.tensor(1.0), alpha=1.0)
                 self._pipeline.run(chunks, update, overlap=overlap is not None)
+                for i in with_master:  # the updates, queued, have written the parameters
+                    active[i].slot.param_version = active[i].param._version
                 if overlap is not None:
                     self._next_chunks = chunks  # the next step's first copies start in backward
                     overlap.stepped(
@@ -540,8 +545,11 @@ class OffloadAdamW(torch.optim.AdamW):
         active: list[_Active],
         steps: list[Tensor],
         hyper: list[Hyperparameters],
+        edited: set[int],
     ) -> None:
-        """Apply AdamW to one chunk whose state is in ``views``, one kernel call per param group."""
+        """Apply AdamW to one chunk whose state is in ``views``, one kernel call per param group.
+        The master copies of the ``edited`` parameters (indices into ``active``) first take
+        their edits."""
         calls: dict[int, _KernelLists] = {}
         for seg in chunk.segments:
             a = active[seg.index]
@@ -550,6 +558,8 @@ class OffloadAdamW(torch.optim.AdamW):
             lists = calls[a.group]
             lists.add(a, seg.start, seg.stop, slice(seg.offset, seg.offset + seg.stop - seg.start))
             lists.steps.append(steps[seg.index])
+            if seg.index in edited:
+                lists.edited.append(len(lists.state) - 1)
         with_master = MASTER_KEY in chunk.arena.keys
         for g, lists in calls.items():
             h = hyper[g]
@@ -558,6 +568,10 @@ class OffloadAdamW(torch.optim.AdamW):
                 targets = [views[MASTER_KEY][s] for s in lists.state]
                 grads = [views[GRAD_KEY][s] for s in lists.state]
                 torch._foreach_copy_(grads, lists.grads)
+                if lists.edited:
+                    take_edits(
+                        [targets[i] for i in lists.edited], [lists.params[i] for i in lists.edited]
+                    )
             adamw_update(
                 targets,
                 grads,
@@ -792,6 +806,7 @@ class OffloadAdamW(torch.optim.AdamW):
         """Record ``param``'s step count and mark its offloaded keys in ``optimizer.state``."""
         entry = self.state[param]
         entry["step"] = step
+        slot.param_version = None  # the parameter may not round from the master copy now
         for key in OFFLOADED_KEYS:
             entry.pop(key, None)
         entry.update({key: Offloaded(key) for key in slot.arena.keys})
@@ -905,6 +920,20 @@ def _snapshot_lr(hyper: Hyperparameters, pipeline: StagingPipeline) -> Hyperpara
     return dataclasses.replace(hyper, lr=snapshot)
 
 
+def _edited_since_last_step(
+    active: list[_Active], with_master: list[int], new_slots: dict[Tensor, Slot]
+) -> set[int]:
+    """Those of the ``with_master`` indices into ``active`` whose parameter someone else wrote
+    since this optimizer last did (or whose state was loaded since: a checkpoint's weights may
+    have been loaded into the model after its optimizer state), less those laid out just now."""
+    return {
+        i
+        for i in with_master
+        if active[i].slot.param_version != active[i].param._version
+        and active[i].param not in new_slots
+    }
+
+
 def _views(param: Tensor, slot: Slot) -> dict[str, Tensor]:
     """``param``'s state by key: views of the host buffers shaped like the parameter (for a
     DTensor parameter, DTensors like it over this rank's shards)."""
@@ -950,6 +979,7 @@ class _KernelLists:
         self.grads: list[Tensor] = []
         self.state: list[slice] = []
         self.steps: list[Tensor] = []
+        self.edited: list[int] = []  # positions of segments of edited parameters
 
     def add(self, a: _Active, start: int, stop: int, state: slice) -> None:
         whole = start == 0 and stop == a.slot.layout.numel  # no new view object needed

@@ -70,3 +70,21 @@ def adamw_update(
         eps=eps,
         maximize=maximize,
     )
+
+
+def take_edits(masters: list[Tensor], params: list[Tensor]) -> None:
+    """Where a low-precision parameter no longer equals its master copy rounded to its dtype
+    (someone wrote it since the last step: a clamp, a load of other weights), the master takes
+    the parameter's value; elsewhere it keeps its extra precision.
+
+    Example:
+        >>> master = torch.tensor([1.0001, 2.0001])
+        >>> param = master.to(torch.bfloat16)
+        >>> param[1] = 3.0  # edited by hand
+        >>> take_edits([master], [param])
+        >>> master
+        tensor([1.0001, 3.0000])
+    """
+    for master, param in zip(masters, params, strict=True):
+        kept = master.to(param.dtype) == param
+        master.copy_(torch.where(kept, master, param))

@@ -258,9 +258,9 @@ def record_update_order(monkeypatch: pytest.MonkeyPatch, optimizer: Any) -> list
     updated: list[torch.Tensor] = []
     real = optimizer._update_chunk
 
-    def spy(chunk, views, active, steps, hyper):  # type: ignore[no-untyped-def]
+    def spy(chunk, views, active, *rest):  # type: ignore[no-untyped-def]
         updated.extend(active[s.index].param for s in chunk.segments)
-        return real(chunk, views, active, steps, hyper)
+        return real(chunk, views, active, *rest)
 
     monkeypatch.setattr(optimizer, "_update_chunk", spy)
     return updated

@@ -78,6 +78,30 @@ def test_bf16_parameters_with_master_copies(stream_order):
     assert_same(list(model.parameters()), list(reference.parameters()))
 
 
+def test_bf16_parameters_clamped_between_steps_keep_the_edits(stream_order):
+    """Weights clamped after ``wait_for_updates()`` (as the docs ask before writing them
+    outside a forward pass): the next overlapped step's master copies take the edits, read
+    in order after the clamp, as fp32 AdamW on masters edited alike does."""
+    model, optimizer = overlapped(torch.bfloat16)
+    reference = Net().to(torch.bfloat16)
+    masters = MasterCopyAdamW(list(reference.parameters()), lr=0.05)
+    for _ in range(2):
+        train(model, optimizer, 2)
+        train(reference, masters, 2)
+        optimizer.wait_for_updates()
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+                p.clamp_(-0.1, 0.1)
+                r.clamp_(-0.1, 0.1)
+                m = masters.masters[r]
+                m.copy_(torch.where(m.to(r.dtype) == r, m, r.float()))
+    train(model, optimizer, 1)
+    train(reference, masters, 1)
+    stream_order.expect_none()
+    model.state_dict()  # waits for the updates
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
 def test_step_returns_before_the_updates_and_the_forward_waits_per_module(stream_order):
     """Right after step() the current stream has not waited for the update stream; the first
     module's forward makes it wait for that module's parameters, not for all of them."""

@@ -399,6 +399,112 @@ def test_grad_scaler_steps_without_closure_and_skips_non_finite_steps():
     )
 
 
+EDITS = {
+    "clamp": lambda p: p.clamp_(-0.5, 0.5),  # WGAN-style clipping after each step
+    "load": lambda p: p.copy_(p * -2.0 + 0.25),  # other weights loaded into the model
+}
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [*MODES.values(), {"force_staging": True, "resident": 0.5}],
+    ids=[*MODES.keys(), "resident-half"],
+)
+@pytest.mark.parametrize("edit", EDITS.values(), ids=EDITS.keys())
+def test_low_precision_parameters_edited_between_steps_keep_the_edits(mode, edit):
+    """An edit of a bf16 parameter between steps reaches its fp32 master copy at the next step
+    (before, the master overwrote it), element by element: where the parameter no longer
+    equals its rounded master, the master takes its value; elsewhere (also an element clamped
+    that already rounded to the bound) the master keeps its extra precision."""
+    params = make_params(dtype=torch.bfloat16)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=1e-2, **mode)
+    masters = MasterCopyAdamW([{"params": reference}], lr=1e-2)
+    generator = torch.Generator().manual_seed(5)
+    step_together([offload, masters], [params, reference], generator, 3)
+    with torch.no_grad():
+        for p, r in zip(params[:2], reference[:2], strict=True):
+            edit(p)
+            edit(r)
+            master = masters.masters[r]
+            master.copy_(torch.where(master.to(r.dtype) == r, master, r.float()))
+    step_together([offload, masters], [params, reference], generator, 2)
+    assert_same(params, reference)
+    for p, r in zip(params, reference, strict=True):
+        assert_same([offload.offloaded_state(p)["master_param"]], [masters.masters[r]])
+
+
+def test_master_copies_are_compared_only_for_parameters_written_since_the_last_step(monkeypatch):
+    """Edits are found by the parameters' version counters: a step after which nobody wrote a
+    parameter runs no comparison (an extra kernel per parameter and step); one after an edit
+    compares that parameter only."""
+    from lightning_offload_optim import adamw as adamw_module
+
+    compared = []
+    real = adamw_module.take_edits
+    monkeypatch.setattr(
+        adamw_module, "take_edits", lambda m, p: (compared.extend(p), real(m, p))[1]
+    )
+    params = make_params(dtype=torch.bfloat16)
+    offload = OffloadAdamW(params, lr=1e-2, force_staging=True, chunk_size=64)
+    generator = torch.Generator().manual_seed(8)
+    step_together([offload], [params], generator, 3)
+    assert compared == []
+    with torch.no_grad():
+        params[1].mul_(0.5)
+    step_together([offload], [params], generator, 2)
+    assert sum(t.numel() for t in compared) == params[1].numel()  # in 64-element chunks
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_loading_the_optimizer_state_alone_changes_no_weight(mode):
+    """As with torch's AdamW, a load of the optimizer's state leaves the model's weights as they
+    are: loaded master copies (here from two steps back) that no longer round to the weights
+    take their values, element by element, at the next step."""
+    params = make_params(dtype=torch.bfloat16)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=1e-2, **mode)
+    masters = MasterCopyAdamW([{"params": reference}], lr=1e-2)
+    generator = torch.Generator().manual_seed(7)
+    step_together([offload, masters], [params, reference], generator, 2)
+    saved = copy.deepcopy(offload.state_dict())
+    saved_fp32 = copy.deepcopy(masters.fp32.state_dict())
+    saved_masters = {r: m.clone() for r, m in masters.masters.items()}
+    step_together([offload, masters], [params, reference], generator, 2)
+    offload.load_state_dict(saved)
+    masters.fp32.load_state_dict(saved_fp32)
+    with torch.no_grad():
+        for r, master in masters.masters.items():
+            master.copy_(saved_masters[r])
+            master.copy_(torch.where(master.to(r.dtype) == r, master, r.float()))
+    step_together([offload, masters], [params, reference], generator, 2)
+    assert_same(params, reference)
+    for p, r in zip(params, reference, strict=True):
+        assert_same([offload.offloaded_state(p)["master_param"]], [masters.masters[r]])
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_model_weights_loaded_after_the_optimizer_state_keep_the_masters_precision(mode):
+    """A resume that loads the optimizer's state first and the model's weights after (each
+    write counts as an edit) continues exactly as the uninterrupted run: the weights round
+    from the loaded master copies, which keep their extra precision."""
+    params = make_params(dtype=torch.bfloat16)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=1e-2, **mode)
+    masters = MasterCopyAdamW([{"params": reference}], lr=1e-2)
+    generator = torch.Generator().manual_seed(6)
+    step_together([offload, masters], [params, reference], generator, 3)
+    saved_state, saved_weights = copy.deepcopy(offload.state_dict()), clone_params(params)
+    resumed = make_params(dtype=torch.bfloat16, seed=9)  # other weights until the load
+    offload = OffloadAdamW(resumed, lr=1e-2, **mode)
+    offload.load_state_dict(saved_state)
+    with torch.no_grad():
+        for p, saved in zip(resumed, saved_weights, strict=True):
+            p.copy_(saved)
+    step_together([offload, masters], [resumed, reference], generator, 2)
+    assert_same(resumed, reference)
+
+
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 def test_fp32_and_bf16_parameters_in_one_optimizer(mode):
     """Two arenas share the staging buffers of one device; each chunk uses only its own keys."""

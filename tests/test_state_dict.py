@@ -510,7 +510,8 @@ def test_one_moment_replaced_by_hand_is_adopted_and_the_others_kept(written_on, 
 
 
 def test_a_moment_replaced_by_hand_keeps_the_fp32_master_copy(recwarn):
-    """Also where the bf16 weight was edited by hand since (the master copy is authoritative)."""
+    """Also where the bf16 weight was edited by hand since: the edit reaches the master copy at
+    the next step, not when the replaced moment is taken in."""
     params = make_params(dtype=torch.bfloat16)
     opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
     step_together([opt], [params], torch.Generator().manual_seed(6), 2)
