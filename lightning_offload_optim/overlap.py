@@ -8,7 +8,8 @@ parameters after their update, on the device (the host never blocks):
   module's own parameters (so the first layers compute while later layers' state still
   streams); it runs before other pre-hooks, FSDP2's all-gather among them;
 - the root module's pre-hook also waits for optimized parameters that no module of the tree
-  owns (used functionally), and its ``state_dict`` pre-hook waits for all (checkpoints);
+  owns (used functionally), and its ``state_dict`` pre-hook waits for all (checkpoints), as
+  does every module's ``load_state_dict`` pre-hook (a load writes the parameters);
 - the first gradient the next backward pass computes for any parameter of the module (or any
   stepped one) waits for all updates: the backward may write gradients the updates still
   read, and not only where a gradient was kept: ``DistributedDataParallel(
@@ -119,6 +120,12 @@ class ForwardOverlap:
             elif params := list(child.parameters(recurse=False)):
                 self._hook_forward(child, self._waits_for(params))
         self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
+
+        def before_load(*_: Any) -> None:  # a function: a deep copy of the module shares it
+            self._before_load()
+
+        for child in module.modules():  # a load writes the parameters: after their updates
+            self._handles.append(child.register_load_state_dict_pre_hook(before_load))
         self._hook_gradients(module.parameters())
         after_forward, begin, end = map(
             _eager, (self._after_forward, self.begin_watch, self.end_watch)
@@ -249,6 +256,12 @@ class ForwardOverlap:
                 hook = _eager(self._before_gradient)
                 hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
                 self._handles.append(param.register_hook(hook))
+
+    def _before_load(self) -> None:
+        """``load_state_dict`` of the module or one of its submodules is about to write
+        parameters: order its stream after every queued update (once: it clears ``pending``)."""
+        if self.pending:
+            self.wait_all()
 
     def _before_gradient(self, _grad: Tensor) -> None:
         """A backward pass computed a hooked parameter's gradient: before it (or DDP's

@@ -102,6 +102,31 @@ def test_bf16_parameters_clamped_between_steps_keep_the_edits(stream_order):
     assert_same(list(model.parameters()), list(reference.parameters()))
 
 
+@pytest.mark.parametrize("into", ["model", "submodule"])
+def test_weights_loaded_into_the_module_right_after_a_step_wait_for_its_updates(stream_order, into):
+    """``load_state_dict`` of the module (or of a submodule, directly) between a step and the
+    next forward writes the parameters the queued updates still write: it waits for them."""
+    model, optimizer = overlapped()
+    reference = Net()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    train(model, optimizer, 2)
+    train(reference, torch_opt, 2)
+    other = Net()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    for net in (model, reference):
+        if into == "model":
+            net.load_state_dict(other.state_dict())
+        else:
+            net.norm.load_state_dict(other.norm.state_dict())
+    train(model, optimizer, 2)
+    train(reference, torch_opt, 2)
+    stream_order.expect_none()
+    optimizer.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
 def test_step_returns_before_the_updates_and_the_forward_waits_per_module(stream_order):
     """Right after step() the current stream has not waited for the update stream; the first
     module's forward makes it wait for that module's parameters, not for all of them."""
