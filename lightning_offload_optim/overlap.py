@@ -48,6 +48,13 @@ if TYPE_CHECKING:
     from lightning_offload_optim.pipeline import StagingPipeline
 
 
+_WRITTEN_WARNING = (
+    "OffloadAdamW: {count} parameter(s) were written in place after a step queued their updates "
+    "and before anything waited for them (a clamp or re-initialisation right after step()?): "
+    "on a GPU the write and the update race, and the result is undefined. Call "
+    "optimizer.wait_for_updates() before writing parameters outside a forward pass."
+)
+
 _UNHOOKED_WARNING = (
     "OffloadAdamW: no forward hook of the overlapped module ran before the last two steps, so "
     "they could not overlap a forward pass (each waited for its own updates). Is the module "
@@ -84,6 +91,9 @@ class ForwardOverlap:
         self.removed = False
         #: Per parameter, the event after which its latest update is done (and its device).
         self.pending: dict[Tensor, tuple[Any, torch.device]] = {}
+        #: Per parameter whose update the caller's stream has not waited for yet, its version
+        #: counter when the update was queued: a write since then raced with the update.
+        self._unordered: dict[Tensor, int] = {}
         #: Parameters by first use in a forward pass, once one has run.
         self.order: dict[Tensor, int] = {}
         self._count = sum(1 for _ in module.parameters())  # order is complete at this size
@@ -189,6 +199,9 @@ class ForwardOverlap:
         """Make ``stream`` (the caller's current one by default) wait for the last updates of
         those of ``params`` that have one pending."""
         seen = set()
+        params = list(params)
+        if stream is None:
+            self._ordered(params)
         for param in params:
             event, device = self.pending.get(param, (None, None))
             if event is not None and id(event) not in seen:
@@ -229,6 +242,7 @@ class ForwardOverlap:
         passes before it, or in any before (they stay "early": read before any hook)."""
         current = {param: (event, device) for param, event, device in updates}
         self.pending.update(current)  # a parameter without a gradient keeps its last event
+        self._unordered.update((param, param._version) for param in current)
         self._hook_gradients(current)  # parameters unfrozen or outside the module since
         reached, self._reached = self._reached, set()
         self._watch.stopped = True  # nothing was pending before the first step; now it is
@@ -271,8 +285,20 @@ class ForwardOverlap:
 
     def wait_all(self) -> None:
         """Order the current streams after every update queued so far."""
+        self._ordered(list(self._unordered))
         self._pipeline.join_updates()
         self.pending.clear()
+
+    def _ordered(self, params: list[Tensor]) -> None:
+        """The caller's stream is made to wait for these parameters' updates now: warn about
+        those written in place before (their version counters moved on since their updates
+        were queued), which raced with the updates."""
+        written = 0
+        for param in params:
+            version = self._unordered.pop(param, None)
+            written += version is not None and param._version != version
+        if written:
+            warnings.warn(_WRITTEN_WARNING.format(count=written), stacklevel=4)
 
     @property
     def watching(self) -> bool:

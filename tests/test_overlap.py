@@ -127,6 +127,36 @@ def test_weights_loaded_into_the_module_right_after_a_step_wait_for_its_updates(
     assert_same(list(model.parameters()), list(reference.parameters()))
 
 
+@pytest.mark.parametrize("read_by", ["forward", "state_dict"])
+def test_a_parameter_written_before_its_update_was_waited_for_is_reported(stream_order, read_by):
+    """A clamp right after step(), before anything waited for the updates, races with them on
+    a GPU (the checker sees it): the next wait for that parameter says so."""
+    model, optimizer = overlapped()
+    train(model, optimizer, 2)
+    with torch.no_grad():
+        model.norm.weight.clamp_(-0.1, 0.1)
+    with pytest.warns(UserWarning, match=r"1 parameter\(s\) were written in place after a step"):
+        if read_by == "forward":
+            model(torch.zeros(2, 3, dtype=torch.long))
+        else:
+            model.state_dict()
+    assert any("device memory" in v for v in stream_order.violations)
+    stream_order.violations.clear()
+
+
+def test_parameters_written_after_a_forward_waited_for_them_are_not_reported(stream_order):
+    """Once the caller's stream waited for a parameter's update (its module's forward, here an
+    evaluation pass), writing it is ordered: no report, no race, at the next pass or step."""
+    model, optimizer = overlapped()
+    train(model, optimizer, 2)
+    with torch.no_grad():
+        model(torch.zeros(2, 3, dtype=torch.long))
+        model.twice.weight.mul_(0.5)
+    train(model, optimizer, 1)  # the warning would be an error (pyproject's filterwarnings)
+    model.state_dict()
+    stream_order.expect_none()
+
+
 def test_step_returns_before_the_updates_and_the_forward_waits_per_module(stream_order):
     """Right after step() the current stream has not waited for the update stream; the first
     module's forward makes it wait for that module's parameters, not for all of them."""
