@@ -87,4 +87,4 @@ def take_edits(masters: list[Tensor], params: list[Tensor]) -> None:
     """
     for master, param in zip(masters, params, strict=True):
         kept = master.to(param.dtype) == param
-        master.copy_(torch.where(kept, master, param))
+        torch.where(kept, master, param, out=master)  # elementwise: in place is safe
