@@ -555,6 +555,32 @@ def test_bf16_overlap_and_resident_match_the_plain_step_on_cuda():
         assert_same([ours[i][key] for i in sorted(ours)], [theirs[i][key] for i in sorted(ours)])
 
 
+def test_bf16_weights_clamped_between_overlapped_steps_keep_the_clamp_on_cuda():
+    """bf16 weights clamped after ``wait_for_updates()`` between overlapped, half-resident
+    steps: the masters take the clamp on the device, in order, as fp32 AdamW on masters
+    clamped alike (no report of a racing write either: pytest makes it an error)."""
+    model, optimizer = overlapped_stack(True, 0.5, torch.bfloat16)
+    reference = Stack().to(CUDA, torch.bfloat16)
+    masters = MasterCopyAdamW(list(reference.parameters()), lr=1e-3, weight_decay=0.1)
+    for _ in range(3):
+        train_stack(model, optimizer, 1)
+        train_stack(reference, masters, 1)
+        optimizer.wait_for_updates()
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+                p.clamp_(-0.02, 0.02)
+                r.clamp_(-0.02, 0.02)
+                m = masters.masters[r]
+                torch.where(m.to(r.dtype) == r, m, r, out=m)
+    train_stack(model, optimizer, 1)
+    train_stack(reference, masters, 1)
+    assert_same(list(model.state_dict().values()), list(reference.state_dict().values()))
+    ours = optimizer.state_dict()["state"]
+    expected = [masters.masters[r] for r in reference.parameters()]
+    assert_same([ours[i]["master_param"] for i in sorted(ours)], expected)
+    assert optimizer.memory_stats()["resident_bytes"] > 0
+
+
 def test_compiled_model_with_overlap_and_resident_half_matches_torch_fused_on_cuda():
     """``torch.compile``'d, the overlapped model steps as torch's AdamW on the same compiled
     model. On real streams dynamo can trace stream and event calls, which it must not do with
