@@ -41,7 +41,7 @@ from lightning_offload_optim.resident import (
     check_resident,
     choose_resident,
 )
-from lightning_offload_optim.sharding import like_param, local, refuse_fsdp1
+from lightning_offload_optim.sharding import like_param, local, refuse_fsdp1, write_mark
 from lightning_offload_optim.step_stats import StepRecord
 from lightning_offload_optim.validation import (
     FORMAT_KEY,
@@ -259,7 +259,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 torch._foreach_add_(host_steps, torch.tensor(1.0), alpha=1.0)
                 self._pipeline.run(chunks, update, overlap=overlap is not None)
                 for i in with_master:  # the updates, queued, have written the parameters
-                    active[i].slot.param_version = active[i].param._version
+                    active[i].slot.param_mark = write_mark(active[i].param)
                 if overlap is not None:
                     self._next_chunks = chunks  # the next step's first copies start in backward
                     overlap.stepped(
@@ -344,7 +344,7 @@ class OffloadAdamW(torch.optim.AdamW):
         chosen = choose_resident(candidates, budget_bytes(self.resident, arenas, held))
         ranges = {a: chosen.get(a, ResidentRanges()) for a in arenas}
         if any(a.resident != r for a, r in ranges.items()):
-            self._pipeline.wait_host()  # resident state newer than the host's is written back
+            self._wait_host()  # resident state newer than the host's is written back
             self._plans.clear()  # chunks end where resident ranges do
             self._pipeline.set_resident(ranges)  # may raise: then chosen again at the next step
         self._resident_for = key
@@ -365,6 +365,12 @@ class OffloadAdamW(torch.optim.AdamW):
         overlap = self._overlapping()
         if overlap is not None:
             overlap.wait_all()
+
+    def _wait_host(self) -> None:
+        """Block until the host buffers hold the latest state, the caller's streams ordered
+        after every queued update (through the overlap, which then knows they are)."""
+        self.wait_for_updates()
+        self._pipeline.wait_host()
 
     def release_device_memory(self) -> None:
         """Free what this optimizer holds on the devices: its staging buffers, the resident
@@ -473,7 +479,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 f"{part.stride()}, dtype {part.dtype}, device {part.device}. Move or cast "
                 "the model before creating the optimizer, or create a new optimizer."
             )
-        self._pipeline.wait_host()
+        self._wait_host()
         slot.relayout(param)
         self._pipeline.host_written()
 
@@ -613,10 +619,12 @@ class OffloadAdamW(torch.optim.AdamW):
         if not self.enabled:
             return state_dict
         state_dict[FORMAT_KEY] = FORMAT_VERSION  # torch's AdamW ignores extra top-level keys
-        self._pipeline.wait_host()
+        self._wait_host()
         # The caller may write through the views until the next step (a checkpoint loaded in
         # place), also after the next forward pass.
         self._pipeline.lend_host_views()
+        for slot in self._host.slots.values():  # masters written through the views may not
+            slot.param_mark = None  # round to the weights: compared at the next step
         saved_params = (i for group in state_dict["param_groups"] for i in group["params"])
         params = (p for group in self.param_groups for p in group["params"])
         for index, param in zip(saved_params, params, strict=True):
@@ -716,7 +724,7 @@ class OffloadAdamW(torch.optim.AdamW):
         their step counts, as float32 host copies, and :class:`Offloaded` marks; ``replace``
         drops every other slot.
         """
-        self._pipeline.wait_host()  # the sources may be views of this optimizer's own buffers
+        self._wait_host()  # the sources may be views of this optimizer's own buffers
         if replace:  # a load (adopted entries keep their own master copies as they are)
             self._drop_stale_masters(matched)
         requests = [(m.param, state_keys(m.param, m.amsgrad)) for m in matched]
@@ -806,7 +814,7 @@ class OffloadAdamW(torch.optim.AdamW):
         """Record ``param``'s step count and mark its offloaded keys in ``optimizer.state``."""
         entry = self.state[param]
         entry["step"] = step
-        slot.param_version = None  # the parameter may not round from the master copy now
+        slot.param_mark = None  # the parameter may not round from the master copy now
         for key in OFFLOADED_KEYS:
             entry.pop(key, None)
         entry.update({key: Offloaded(key) for key in slot.arena.keys})
@@ -830,7 +838,7 @@ class OffloadAdamW(torch.optim.AdamW):
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in _SETTINGS})
         if self.enabled:
-            self._pipeline.wait_host()
+            self._wait_host()
             members: dict[int, list[tuple[Tensor, int, ParamLayout]]] = {
                 id(a): [] for a in self._host.arenas
             }
@@ -881,7 +889,7 @@ class OffloadAdamW(torch.optim.AdamW):
         slot = self._host.slots.get(param)
         if slot is None or not self.state.get(param):
             return {}
-        self._pipeline.wait_host()
+        self._wait_host()
         return {key: view.clone() for key, view in _views(param, slot).items()}
 
     @property
@@ -929,7 +937,7 @@ def _edited_since_last_step(
     return {
         i
         for i in with_master
-        if active[i].slot.param_version != active[i].param._version
+        if active[i].slot.param_mark != write_mark(active[i].param)
         and active[i].param not in new_slots
     }
 

@@ -320,10 +320,11 @@ class Slot:
     offset: int
     layout: ParamLayout
     _flat_param: tuple[int, Tensor] | None = None
-    #: The parameter's version counter after this optimizer last wrote it (None: not since
-    #: the state was laid out or loaded). A parameter whose counter moved on was written by
-    #: someone else: its master copy takes the edits at the next step.
-    param_version: int | None = None
+    #: The parameter's :func:`~lightning_offload_optim.sharding.write_mark` after this
+    #: optimizer last wrote it (None: not since the state was laid out, loaded or lent out as
+    #: views). A parameter whose mark moved on was written by someone else: its master copy
+    #: takes the edits at the next step.
+    param_mark: tuple[int, int, int] | None = None
 
     def view(self, key: str) -> Tensor:
         """The flat host slice holding ``key`` for this parameter."""

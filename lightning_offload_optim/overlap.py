@@ -44,6 +44,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_offload_optim.sharding import write_mark
+
 if TYPE_CHECKING:
     from lightning_offload_optim.pipeline import StagingPipeline
 
@@ -91,9 +93,9 @@ class ForwardOverlap:
         self.removed = False
         #: Per parameter, the event after which its latest update is done (and its device).
         self.pending: dict[Tensor, tuple[Any, torch.device]] = {}
-        #: Per parameter whose update the caller's stream has not waited for yet, its version
-        #: counter when the update was queued: a write since then raced with the update.
-        self._unordered: dict[Tensor, int] = {}
+        #: Per parameter whose update the caller's stream has not waited for yet, its
+        #: ``write_mark`` when the update was queued: a write since then raced with the update.
+        self._unordered: dict[Tensor, tuple[int, int, int]] = {}
         #: Parameters by first use in a forward pass, once one has run.
         self.order: dict[Tensor, int] = {}
         self._count = sum(1 for _ in module.parameters())  # order is complete at this size
@@ -242,7 +244,7 @@ class ForwardOverlap:
         passes before it, or in any before (they stay "early": read before any hook)."""
         current = {param: (event, device) for param, event, device in updates}
         self.pending.update(current)  # a parameter without a gradient keeps its last event
-        self._unordered.update((param, param._version) for param in current)
+        self._unordered.update((param, write_mark(param)) for param in current)
         self._hook_gradients(current)  # parameters unfrozen or outside the module since
         reached, self._reached = self._reached, set()
         self._watch.stopped = True  # nothing was pending before the first step; now it is
@@ -295,8 +297,8 @@ class ForwardOverlap:
         were queued), which raced with the updates."""
         written = 0
         for param in params:
-            version = self._unordered.pop(param, None)
-            written += version is not None and param._version != version
+            mark = self._unordered.pop(param, None)
+            written += mark is not None and write_mark(param) != mark
         if written:
             warnings.warn(_WRITTEN_WARNING.format(count=written), stacklevel=4)
 

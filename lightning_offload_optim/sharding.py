@@ -45,6 +45,15 @@ def local(tensor: Tensor) -> Tensor:
         return tensor.to_local()
 
 
+def write_mark(param: Tensor) -> tuple[int, int, int]:
+    """What moves on whenever anyone writes or replaces ``param``'s values: its version counter
+    (in-place ops, a DTensor's included), its local part's (a DTensor's shard, which
+    distributed checkpoints and this optimizer write directly) and where that part's memory
+    is (``p.data = ...``, ``torch.utils.swap_tensors``, which bring counters of their own)."""
+    part = local(param)
+    return param._version, part._version, part.data_ptr()
+
+
 def describe_sharding(tensor: Tensor) -> str:
     if not is_dtensor(tensor):
         return "a plain tensor"

@@ -144,6 +144,26 @@ def test_a_parameter_written_before_its_update_was_waited_for_is_reported(stream
     stream_order.violations.clear()
 
 
+@pytest.mark.parametrize("wait", ["state_dict", "offloaded_state", "load_state_dict"])
+def test_parameters_written_after_the_optimizer_waited_for_them_are_not_reported(
+    stream_order, wait
+):
+    """The optimizer's own reads of its state order the caller's stream after every update:
+    writing a weight after them (a rollback: load the state, then the weights) is no race."""
+    model, optimizer = overlapped()
+    train(model, optimizer, 2)
+    if wait == "state_dict":
+        optimizer.state_dict()
+    elif wait == "offloaded_state":
+        optimizer.offloaded_state(model.norm.weight)
+    else:
+        optimizer.load_state_dict(optimizer.state_dict())
+    with torch.no_grad():
+        model.norm.weight.clamp_(-0.1, 0.1)
+    model(torch.zeros(2, 3, dtype=torch.long))  # a report would be an error (pyproject)
+    stream_order.expect_none()
+
+
 def test_parameters_written_after_a_forward_waited_for_them_are_not_reported(stream_order):
     """Once the caller's stream waited for a parameter's update (its module's forward, here an
     evaluation pass), writing it is ordered: no report, no race, at the next pass or step."""

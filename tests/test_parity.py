@@ -402,6 +402,7 @@ def test_grad_scaler_steps_without_closure_and_skips_non_finite_steps():
 EDITS = {
     "clamp": lambda p: p.clamp_(-0.5, 0.5),  # WGAN-style clipping after each step
     "load": lambda p: p.copy_(p * -2.0 + 0.25),  # other weights loaded into the model
+    "replace": lambda p: setattr(p, "data", p.data * -2.0 + 0.25),  # new memory, new counter
 }
 
 
@@ -481,6 +482,34 @@ def test_loading_the_optimizer_state_alone_changes_no_weight(mode):
     assert_same(params, reference)
     for p, r in zip(params, reference, strict=True):
         assert_same([offload.offloaded_state(p)["master_param"]], [masters.masters[r]])
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_the_optimizer_state_written_through_its_state_dict_changes_no_weight(mode):
+    """A distributed checkpoint loads in place, into the tensors ``state_dict()`` returns:
+    master copies written so, here from two steps back, are compared with the weights at the
+    next step, as after a load."""
+    params = make_params(dtype=torch.bfloat16)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=1e-2, **mode)
+    masters = MasterCopyAdamW([{"params": reference}], lr=1e-2)
+    generator = torch.Generator().manual_seed(7)
+    step_together([offload, masters], [params, reference], generator, 2)
+    saved = copy.deepcopy(offload.state_dict())
+    saved_fp32 = copy.deepcopy(masters.fp32.state_dict())
+    saved_masters = {r: m.clone() for r, m in masters.masters.items()}
+    step_together([offload, masters], [params, reference], generator, 2)
+    live = offload.state_dict()
+    for index, entry in live["state"].items():
+        for key, value in entry.items():
+            value.copy_(saved["state"][index][key])
+    masters.fp32.load_state_dict(saved_fp32)
+    with torch.no_grad():
+        for r, master in masters.masters.items():
+            master.copy_(saved_masters[r])
+            master.copy_(torch.where(master.to(r.dtype) == r, master, r.float()))
+    step_together([offload, masters], [params, reference], generator, 2)
+    assert_same(params, reference)
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())

@@ -11,7 +11,7 @@ import io
 
 import pytest
 import torch
-from conftest import assert_same
+from conftest import MasterCopyAdamW, assert_same
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -287,3 +287,46 @@ def test_partially_replicated_state_on_a_2d_mesh_is_refused(mesh):
     )
     with pytest.raises(ValueError, match=r"torch\.distributed\.checkpoint"):
         opt.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("edit", ["clamp", "local_shard", "swap_tensors"])
+def test_bf16_dtensor_weights_written_between_steps_reach_the_master_copies(mesh, edit):
+    """Writes that move a DTensor's own version counter (a clamp) or its local shard's (written
+    through ``to_local()`` without autograd), or swap in another tensor (its counter starts
+    anew, its memory is elsewhere), all reach the master copy at the next step, element by
+    element, as fp32 AdamW on masters edited alike."""
+
+    def make(seed):
+        generator = torch.Generator().manual_seed(seed)
+        full = torch.randn(8, 4, generator=generator).bfloat16()
+        return torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+
+    param, twin, other = make(0), make(0), make(5)
+    ours = OffloadAdamW([param], lr=1e-2)
+    masters = MasterCopyAdamW([{"params": [twin]}], lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+
+    def step() -> None:
+        grad = torch.randn(8, 4, generator=generator).bfloat16()
+        for p, optimizer in ((param, ours), (twin, masters)):
+            p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+            optimizer.step()
+
+    step()
+    step()
+    for p in (param, twin):
+        if edit == "clamp":
+            with torch.no_grad():
+                p.clamp_(-0.1, 0.1)
+        elif edit == "local_shard":
+            with torch.no_grad():
+                p.to_local().mul_(-0.5)
+        else:
+            new = distribute_tensor(other.detach().full_tensor(), mesh, [Shard(0)])
+            torch.utils.swap_tensors(p, torch.nn.Parameter(new))
+    master = masters.masters[twin]
+    with torch.no_grad():
+        master.copy_(torch.where(master.to(twin.dtype) == twin, master, twin.float()))
+    step()
+    assert_same([param.full_tensor()], [twin.full_tensor()])
+    assert_same([ours.offloaded_state(param)["master_param"].full_tensor()], [master.full_tensor()])
