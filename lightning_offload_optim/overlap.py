@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils.hooks import RemovableHandle
 
 from lightning_offload_optim.sharding import write_mark
 
@@ -100,8 +100,9 @@ class ForwardOverlap:
         self.order: dict[Tensor, int] = {}
         self._count = sum(1 for _ in module.parameters())  # order is complete at this size
         self._reached: set[int] = set()  # ids of parameters whose hook ran since the last step
-        # Parameters with a gradient hook, held weakly: a new parameter may reuse a dead one's id.
-        self._gradient_hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # By parameter id, the handle of its gradient hook. Not the parameters, not even weakly:
+        # torch.utils.swap_tensors (Module.to with swapping on) refuses weakly referenced ones.
+        self._gradient_hooks: dict[int, RemovableHandle] = {}
         self.early: set[int] = set()  # ids of parameters no hook reached: updated first
         #: ids of the module's parameters an op read before their hook ran (see _ReadWatch).
         self.read_before_hook: set[int] = set()
@@ -267,11 +268,18 @@ class ForwardOverlap:
         """Hook :meth:`_before_gradient` on those of ``params`` that can get a gradient and
         have no hook yet (a parameter frozen now is hooked once it is stepped again)."""
         for param in params:
-            if param.requires_grad and param not in self._gradient_hooked:
-                self._gradient_hooked[param] = True
+            if param.requires_grad and not self._has_gradient_hook(param):
                 hook = _eager(self._before_gradient)
                 hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
-                self._handles.append(param.register_hook(hook))
+                handle = self._gradient_hooks[id(param)] = param.register_hook(hook)
+                self._handles.append(handle)
+
+    def _has_gradient_hook(self, param: Tensor) -> bool:
+        """Whether the hook registered under ``param``'s id is in ``param``'s own hooks (a new
+        parameter may reuse a dead one's id; the hooks stay with a parameter swapped into)."""
+        handle = self._gradient_hooks.get(id(param))
+        hooks = handle.hooks_dict_ref() if handle is not None else None
+        return hooks is not None and hooks is param._backward_hooks and handle.id in hooks
 
     def _before_load(self) -> None:
         """``load_state_dict`` of the module or one of its submodules is about to write
@@ -335,6 +343,7 @@ class ForwardOverlap:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._gradient_hooks.clear()
         self.removed = True
 
 

@@ -445,12 +445,38 @@ def test_overlap_with_a_disabled_optimizer_is_refused():
     assert torch._C._len_torch_function_stack() == 0
 
 
+def test_parameters_can_be_swapped_in_place_with_the_overlap_and_after_it(stream_order):
+    """``torch.utils.swap_tensors`` (``load_state_dict(assign=True)`` and ``Module.to`` with
+    swapping on) refuses parameters that anything references weakly: the overlap holds none,
+    during or after it, and training goes on as torch's AdamW's over the swapped weights."""
+    model, optimizer = overlapped()
+    reference = Net()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    train(model, optimizer, 2)
+    train(reference, torch_opt, 2)
+    weights = {k: v * 0.5 for k, v in Net().state_dict().items()}
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for net in (model, reference):
+            net.load_state_dict({k: v.clone() for k, v in weights.items()}, assign=True)
+        train(model, optimizer, 2)
+        train(reference, torch_opt, 2)
+        stream_order.expect_none()
+        optimizer.overlap_with(model).remove()
+        model.to(torch.float64)  # swaps every parameter
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert_same(list(model.float().parameters()), list(reference.parameters()))
+
+
 def test_the_gradient_hooks_registry_forgets_dead_parameters():
     """Replacing a layer frees its parameters, and CPython often gives a new parameter a dead
     one's id: a registry of ids would take the new one for hooked and never give it the
     gradient hook that orders the backward pass after the queued updates (DDP's bucket views
-    need it). The registry holds parameters weakly, so a replacement stepped through a new
-    param group gets its own hook."""
+    need it). The registry holds no parameter (it would keep dead ones alive, or with weak
+    references stop swap_tensors) but each hook's handle, which counts only while the hook is
+    in that parameter's own hooks: a replacement stepped through a new param group gets its
+    own hook."""
     import gc
     import weakref
 
@@ -461,12 +487,17 @@ def test_the_gradient_hooks_registry_forgets_dead_parameters():
     model[1] = nn.Linear(4, 1)
     gc.collect()
     assert all(ref() is None for ref in dead)
-    assert len(overlap._gradient_hooked) == 2  # model[0]'s
+    assert [overlap._has_gradient_hook(p) for p in model.parameters()] == [True, True, False, False]
     optimizer.add_param_group({"params": list(model[1].parameters())})
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
     assert all(len(p._backward_hooks or {}) == 1 for p in model[1].parameters())
     optimizer.wait_for_updates()
+    # Where CPython did not reuse an id above, make it: a hook filed under a new parameter's id
+    # but registered on another parameter does not count.
+    new = nn.Parameter(torch.ones(2))
+    overlap._gradient_hooks[id(new)] = overlap._gradient_hooks[id(model[0].weight)]
+    assert not overlap._has_gradient_hook(new)
 
 
 def test_fsdp2_streams_out_of_reach_fall_back_to_waiting_for_everything():
