@@ -100,9 +100,10 @@ class ForwardOverlap:
         self.order: dict[Tensor, int] = {}
         self._count = sum(1 for _ in module.parameters())  # order is complete at this size
         self._reached: set[int] = set()  # ids of parameters whose hook ran since the last step
-        # By parameter id, the handle of its gradient hook. Not the parameters, not even weakly:
-        # torch.utils.swap_tensors (Module.to with swapping on) refuses weakly referenced ones.
-        self._gradient_hooks: dict[int, RemovableHandle] = {}
+        # By parameter id, the handle of its gradient hook and the parameter's tensor (``_cdata``)
+        # then. Not the parameters, not even weakly: torch.utils.swap_tensors (Module.to with
+        # swapping on, always for DTensors) refuses weakly referenced ones.
+        self._gradient_hooks: dict[int, tuple[RemovableHandle, int]] = {}
         self.early: set[int] = set()  # ids of parameters no hook reached: updated first
         #: ids of the module's parameters an op read before their hook ran (see _ReadWatch).
         self.read_before_hook: set[int] = set()
@@ -268,16 +269,27 @@ class ForwardOverlap:
         """Hook :meth:`_before_gradient` on those of ``params`` that can get a gradient and
         have no hook yet (a parameter frozen now is hooked once it is stepped again)."""
         for param in params:
-            if param.requires_grad and not self._has_gradient_hook(param):
+            if not param.requires_grad:
+                continue
+            if not self._has_gradient_hook(param):
                 hook = _eager(self._before_gradient)
                 hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
-                handle = self._gradient_hooks[id(param)] = param.register_hook(hook)
+                handle = param.register_hook(hook)
                 self._handles.append(handle)
+            elif self._gradient_hooks[id(param)][1] != param._cdata:
+                # Swapped (torch.utils.swap_tensors): the hooks dict stayed with the parameter,
+                # but autograd runs the hooks it had attached to the tensor swapped out. Setting
+                # the dict attaches it to the parameter's tensor now, as register_hook does.
+                handle = self._gradient_hooks[id(param)][0]
+                param._backward_hooks = param._backward_hooks
+            else:
+                continue
+            self._gradient_hooks[id(param)] = (handle, param._cdata)
 
     def _has_gradient_hook(self, param: Tensor) -> bool:
         """Whether the hook registered under ``param``'s id is in ``param``'s own hooks (a new
-        parameter may reuse a dead one's id; the hooks stay with a parameter swapped into)."""
-        handle = self._gradient_hooks.get(id(param))
+        parameter may reuse a dead one's id)."""
+        handle = self._gradient_hooks.get(id(param), (None, 0))[0]
         hooks = handle.hooks_dict_ref() if handle is not None else None
         return hooks is not None and hooks is param._backward_hooks and handle.id in hooks
 

@@ -50,7 +50,8 @@ def write_mark(param: Tensor) -> tuple[int, int, int]:
     (in-place ops, a DTensor's included), its local part's (a DTensor's shard, which
     distributed checkpoints and this optimizer write directly) and where that part's memory
     is (``p.data = ...``, ``torch.utils.swap_tensors``, which bring counters of their own)."""
-    part = local(param)
+    # A DTensor's own shard (not ``to_local()``, ten times slower; same version counter).
+    part = param._local_tensor if isinstance(param, _DTENSOR) else param
     return param._version, part._version, part.data_ptr()
 
 

@@ -469,6 +469,72 @@ def test_parameters_can_be_swapped_in_place_with_the_overlap_and_after_it(stream
     assert_same(list(model.float().parameters()), list(reference.parameters()))
 
 
+def backward_waits_after_a_step(model: nn.Module, optimizer, overlap, x) -> int:
+    """Micro-batches whose forward runs before the step and backward after it, accumulating
+    into the gradients the step's queued updates read: how many times that backward made the
+    caller's stream wait for all updates (once, at its first gradient, is right)."""
+    model(x).pow(2).sum().backward()
+    loss = model(x).pow(2).sum()
+    optimizer.step()
+    calls = []
+    real = overlap.wait_all
+    overlap.wait_all = lambda: (calls.append(1), real())
+    loss.backward()
+    overlap.wait_all = real
+    optimizer.step()
+    optimizer.wait_for_updates()
+    return len(calls)
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_the_backward_after_a_step_waits_also_after_a_swap(stream_order, swapped):
+    """``torch.utils.swap_tensors`` leaves a parameter's hooks dict on it but moves the hooks
+    autograd runs with the tensor swapped out: the next step attaches them again, so the
+    backward that accumulates into the gradients being read still waits (the checker sees the
+    race otherwise)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    optimizer = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    overlap = optimizer.overlap_with(model)
+    x = torch.randn(3, 8)
+    model(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.wait_for_updates()
+    if swapped:
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+            model.load_state_dict(weights, assign=True)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+    assert backward_waits_after_a_step(model, optimizer, overlap, x) == 1
+    stream_order.expect_none()
+
+
+def test_the_backward_after_a_step_waits_after_a_dtensor_module_is_moved(stream_order, mesh):
+    """``Module.to`` swaps DTensor parameters even when nothing moves (``swap_tensors``, whatever
+    the future flag), taking the overlap's gradient hook with the tensor swapped out: the next
+    step attaches it again. (The checker's record of DTensor ops is not checked here.)"""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4, bias=False)
+    model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
+    optimizer = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    overlap = optimizer.overlap_with(model)
+    x = distribute_tensor(torch.randn(3, 8), mesh, [Replicate()])
+    model(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.wait_for_updates()
+    swapped_out = model.weight._cdata
+    model.to("cpu")
+    assert model.weight._cdata != swapped_out  # swapped, as this test assumes
+    assert backward_waits_after_a_step(model, optimizer, overlap, x) == 1
+    stream_order.violations.clear()
+
+
 def test_the_gradient_hooks_registry_forgets_dead_parameters():
     """Replacing a layer frees its parameters, and CPython often gives a new parameter a dead
     one's id: a registry of ids would take the new one for hooked and never give it the
