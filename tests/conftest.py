@@ -234,6 +234,13 @@ class MasterCopyAdamW(torch.optim.Optimizer):
             p.copy_(master)
         return loss
 
+    @torch.no_grad()
+    def take_edits(self) -> None:
+        """Parameters written since the last step: where one no longer equals its master
+        rounded to its dtype, the master takes its value (the rule OffloadAdamW documents)."""
+        for p, master in self.masters.items():
+            master.copy_(torch.where(master.to(p.dtype) == p, master, p.float()))
+
 
 def overlapped_pair(
     model: torch.nn.Module,
