@@ -399,6 +399,19 @@ def test_grad_scaler_steps_without_closure_and_skips_non_finite_steps():
     )
 
 
+def trained_bf16_pair(mode: dict, seed: int, steps: int) -> tuple:
+    """bf16 parameters stepped ``steps`` times by OffloadAdamW (``mode``) and by the exact
+    reference (MasterCopyAdamW over copies) alike: params, reference, both optimizers and the
+    generator of their gradients, to go on with."""
+    params = make_params(dtype=torch.bfloat16)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=1e-2, **mode)
+    masters = MasterCopyAdamW([{"params": reference}], lr=1e-2)
+    generator = torch.Generator().manual_seed(seed)
+    step_together([offload, masters], [params, reference], generator, steps)
+    return params, reference, offload, masters, generator
+
+
 EDITS = {
     "clamp": lambda p: p.clamp_(-0.5, 0.5),  # WGAN-style clipping after each step
     "load": lambda p: p.copy_(p * -2.0 + 0.25),  # other weights loaded into the model
@@ -417,12 +430,7 @@ def test_low_precision_parameters_edited_between_steps_keep_the_edits(mode, edit
     (before, the master overwrote it), element by element: where the parameter no longer
     equals its rounded master, the master takes its value; elsewhere (also an element clamped
     that already rounded to the bound) the master keeps its extra precision."""
-    params = make_params(dtype=torch.bfloat16)
-    reference = clone_params(params)
-    offload = OffloadAdamW(params, lr=1e-2, **mode)
-    masters = MasterCopyAdamW([{"params": reference}], lr=1e-2)
-    generator = torch.Generator().manual_seed(5)
-    step_together([offload, masters], [params, reference], generator, 3)
+    params, reference, offload, masters, generator = trained_bf16_pair(mode, 5, 3)
     with torch.no_grad():
         for p, r in zip(params[:2], reference[:2], strict=True):
             edit(p)
@@ -463,12 +471,7 @@ def test_loading_the_optimizer_state_alone_changes_no_weight(mode, how):
     are: loaded master copies (here from two steps back) that no longer round to the weights
     take their values, element by element, at the next step. Also when written into the
     tensors ``state_dict()`` returns, as a distributed checkpoint loads in place."""
-    params = make_params(dtype=torch.bfloat16)
-    reference = clone_params(params)
-    offload = OffloadAdamW(params, lr=1e-2, **mode)
-    masters = MasterCopyAdamW([{"params": reference}], lr=1e-2)
-    generator = torch.Generator().manual_seed(7)
-    step_together([offload, masters], [params, reference], generator, 2)
+    params, reference, offload, masters, generator = trained_bf16_pair(mode, 7, 2)
     saved = copy.deepcopy(offload.state_dict())
     saved_fp32 = copy.deepcopy(masters.fp32.state_dict())
     saved_masters = {r: m.clone() for r, m in masters.masters.items()}
@@ -495,12 +498,7 @@ def test_model_weights_loaded_after_the_optimizer_state_keep_the_masters_precisi
     """A resume that loads the optimizer's state first and the model's weights after (each
     write counts as an edit) continues exactly as the uninterrupted run: the weights round
     from the loaded master copies, which keep their extra precision."""
-    params = make_params(dtype=torch.bfloat16)
-    reference = clone_params(params)
-    offload = OffloadAdamW(params, lr=1e-2, **mode)
-    masters = MasterCopyAdamW([{"params": reference}], lr=1e-2)
-    generator = torch.Generator().manual_seed(6)
-    step_together([offload, masters], [params, reference], generator, 3)
+    params, reference, offload, masters, generator = trained_bf16_pair(mode, 6, 3)
     saved_state, saved_weights = copy.deepcopy(offload.state_dict()), clone_params(params)
     resumed = make_params(dtype=torch.bfloat16, seed=9)  # other weights until the load
     offload = OffloadAdamW(resumed, lr=1e-2, **mode)
