@@ -100,10 +100,10 @@ class ForwardOverlap:
         self.order: dict[Tensor, int] = {}
         self._count = sum(1 for _ in module.parameters())  # order is complete at this size
         self._reached: set[int] = set()  # ids of parameters whose hook ran since the last step
-        # By parameter id, the handle of its gradient hook and the parameter's tensor (``_cdata``)
-        # then. Not the parameters, not even weakly: torch.utils.swap_tensors (Module.to with
-        # swapping on, always for DTensors) refuses weakly referenced ones.
-        self._gradient_hooks: dict[int, tuple[RemovableHandle, int]] = {}
+        # By parameter id, the handle of its gradient hook. Not the parameters, not even weakly:
+        # torch.utils.swap_tensors (Module.to with swapping on, always for DTensors) refuses
+        # weakly referenced ones.
+        self._gradient_hooks: dict[int, RemovableHandle] = {}
         self.early: set[int] = set()  # ids of parameters no hook reached: updated first
         #: ids of the module's parameters an op read before their hook ran (see _ReadWatch).
         self.read_before_hook: set[int] = set()
@@ -271,25 +271,22 @@ class ForwardOverlap:
         for param in params:
             if not param.requires_grad:
                 continue
-            if not self._has_gradient_hook(param):
-                hook = _eager(self._before_gradient)
-                hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
-                handle = param.register_hook(hook)
-                self._handles.append(handle)
-            elif self._gradient_hooks[id(param)][1] != param._cdata:
-                # Swapped (torch.utils.swap_tensors): the hooks dict stayed with the parameter,
-                # but autograd runs the hooks it had attached to the tensor swapped out. Setting
-                # the dict attaches it to the parameter's tensor now, as register_hook does.
-                handle = self._gradient_hooks[id(param)][0]
+            if self._has_gradient_hook(param):
+                # torch.utils.swap_tensors leaves the hooks dict on the parameter, but autograd
+                # runs the hooks attached to the tensor swapped out. A swap cannot be told for
+                # sure (a new tensor may get a freed one's address), so the dict is attached to
+                # the parameter's tensor again at each step, as register_hook attaches it.
                 param._backward_hooks = param._backward_hooks
-            else:
                 continue
-            self._gradient_hooks[id(param)] = (handle, param._cdata)
+            hook = _eager(self._before_gradient)
+            hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
+            handle = self._gradient_hooks[id(param)] = param.register_hook(hook)
+            self._handles.append(handle)
 
     def _has_gradient_hook(self, param: Tensor) -> bool:
         """Whether the hook registered under ``param``'s id is in ``param``'s own hooks (a new
         parameter may reuse a dead one's id)."""
-        handle = self._gradient_hooks.get(id(param), (None, 0))[0]
+        handle = self._gradient_hooks.get(id(param))
         hooks = handle.hooks_dict_ref() if handle is not None else None
         return hooks is not None and hooks is param._backward_hooks and handle.id in hooks
 
