@@ -136,7 +136,7 @@ class ForwardOverlap:
         self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
 
         def before_load(*_: Any) -> None:  # a function: a deep copy of the module shares it
-            self._before_load()
+            self._join_if_pending()
 
         for child in module.modules():  # a load writes the parameters: after their updates
             self._handles.append(child.register_load_state_dict_pre_hook(before_load))
@@ -290,15 +290,14 @@ class ForwardOverlap:
         hooks = handle.hooks_dict_ref() if handle is not None else None
         return hooks is not None and hooks is param._backward_hooks and handle.id in hooks
 
-    def _before_load(self) -> None:
-        """``load_state_dict`` of the module or one of its submodules is about to write
-        parameters: order its stream after every queued update (once: it clears ``pending``)."""
-        if self.pending:
-            self.wait_all()
-
     def _before_gradient(self, _grad: Tensor) -> None:
         """A backward pass computed a hooked parameter's gradient: before it (or DDP's
         reducer) writes any gradient, order its stream after every queued update."""
+        self._join_if_pending()
+
+    def _join_if_pending(self) -> None:
+        """Order the current stream after every queued update, once (it clears ``pending``):
+        before a backward writes gradients, or a ``load_state_dict`` the parameters."""
         if self.pending:
             self.wait_all()
 

@@ -46,10 +46,12 @@ def local(tensor: Tensor) -> Tensor:
 
 
 def write_mark(param: Tensor) -> tuple[int, int, int]:
-    """What moves on whenever anyone writes or replaces ``param``'s values: its version counter
-    (in-place ops, a DTensor's included), its local part's (a DTensor's shard, which
-    distributed checkpoints and this optimizer write directly) and where that part's memory
-    is (``p.data = ...``, ``torch.utils.swap_tensors``, which bring counters of their own)."""
+    """What moves on when ``param``'s values are written or replaced: its version counter
+    (in-place ops, a DTensor's included), its local part's (a DTensor's shard, which this
+    optimizer and writes through ``to_local()`` write directly) and where that part's memory
+    is (``p.data = ...``, ``torch.utils.swap_tensors``, which bring counters of their own).
+    Writes that move none of these (through ``p.data``; a distributed checkpoint loaded into
+    DTensor shards) are not seen."""
     # A DTensor's own shard (not ``to_local()``, ten times slower; same version counter).
     part = param._local_tensor if isinstance(param, _DTENSOR) else param
     return param._version, part._version, part.data_ptr()
