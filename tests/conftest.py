@@ -242,6 +242,19 @@ class MasterCopyAdamW(torch.optim.Optimizer):
             master.copy_(torch.where(master.to(p.dtype) == p, master, p.float()))
 
 
+def clamp_alike(
+    optimizer: Any, model: torch.nn.Module, reference: torch.nn.Module, masters: MasterCopyAdamW
+) -> None:
+    """Clamp the weights of ``model`` (overlapped: after waiting for its optimizer's queued
+    updates, as the docs ask) and of ``reference``, whose ``masters`` then take the edits."""
+    optimizer.wait_for_updates()
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+            p.clamp_(-0.02, 0.02)
+            r.clamp_(-0.02, 0.02)
+    masters.take_edits()
+
+
 def overlapped_pair(
     model: torch.nn.Module,
     twin: torch.nn.Module,

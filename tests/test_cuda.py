@@ -12,6 +12,7 @@ import torch
 from conftest import (
     MasterCopyAdamW,
     assert_same,
+    clamp_alike,
     clone_params,
     forked_child_memory_map,
     make_params,
@@ -565,12 +566,7 @@ def test_bf16_weights_clamped_between_overlapped_steps_keep_the_clamp_on_cuda():
     for _ in range(3):
         train_stack(model, optimizer, 1)
         train_stack(reference, masters, 1)
-        optimizer.wait_for_updates()
-        with torch.no_grad():
-            for p, r in zip(model.parameters(), reference.parameters(), strict=True):
-                p.clamp_(-0.02, 0.02)
-                r.clamp_(-0.02, 0.02)
-        masters.take_edits()
+        clamp_alike(optimizer, model, reference, masters)
     train_stack(model, optimizer, 1)
     train_stack(reference, masters, 1)
     assert_same(list(model.state_dict().values()), list(reference.state_dict().values()))

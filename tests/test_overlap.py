@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import MasterCopyAdamW, assert_same, record_update_order
+from conftest import MasterCopyAdamW, assert_same, clamp_alike, record_update_order
 from torch import nn
 
 from lightning_offload_optim import OffloadAdamW
@@ -88,12 +88,7 @@ def test_bf16_parameters_clamped_between_steps_keep_the_edits(stream_order):
     for _ in range(2):
         train(model, optimizer, 2)
         train(reference, masters, 2)
-        optimizer.wait_for_updates()
-        with torch.no_grad():
-            for p, r in zip(model.parameters(), reference.parameters(), strict=True):
-                p.clamp_(-0.1, 0.1)
-                r.clamp_(-0.1, 0.1)
-        masters.take_edits()
+        clamp_alike(optimizer, model, reference, masters)
     train(model, optimizer, 1)
     train(reference, masters, 1)
     stream_order.expect_none()
