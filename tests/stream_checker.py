@@ -183,8 +183,10 @@ class _Recorder(TorchDispatchMode):
             self.checker.record_stream(*args, **kwargs)
             return None
         out = func(*args, **kwargs)
-        if any(isinstance(t, FakeTensor) for t in _tensors((args, kwargs))):
-            return out  # tracing (FSDP2's hooks trace some ops even with the compile ignored)
+        if any(isinstance(t, FakeTensor) for t in _tensors((args, kwargs, out))):
+            # Tracing: FSDP2's hooks trace some ops even with the compile ignored, and DTensor's
+            # sharding propagation runs ops on fake tensors it makes (no memory to check).
+            return out
         # An op of plain tensors may return a wrapper (a collective's result): its inner
         # tensor was recorded as the op's output.
         plain = tree_map(lambda v: None if is_traceable_wrapper_subclass(v) else v, out)
