@@ -111,7 +111,8 @@ class OffloadAdamW(torch.optim.AdamW):
         resident: state to keep on the device, where it is updated in place and never copied:
             a share of the state (``0.25``), a number of bytes per device, or ``"auto"`` (what
             is free on each device after the first step, within any per-process memory
-            fraction, less a margin of 10% of the device's memory and at least 2 GiB).
+            fraction, less a margin of 10% of the device's memory and at least 2 GiB; nothing
+            where torch reports no free memory: only CUDA devices do).
             Whole parameters, those the forward pass uses first (see :meth:`overlap_with`;
             else as the param groups list them), each kept if it fits in what is left.
             Chosen at the start of each step whose parameters' state is laid out anew or whose

@@ -62,6 +62,7 @@ def free_device_memory(device: torch.device) -> int | None:
 
 
 def total_memory(device: torch.device) -> int:
+    """``device``'s memory in bytes (a CUDA device: only those report free memory)."""
     return torch.cuda.get_device_properties(device).total_memory
 
 
@@ -82,8 +83,11 @@ def budget_bytes(
             budgets[device] = 0
         elif resident == "auto":
             free = free_device_memory(device)
+            if free is None:  # nothing known to be free: keep nothing
+                budgets[device] = 0
+                continue
             margin = max(int(AUTO_MARGIN * total_memory(device)), AUTO_MARGIN_BYTES)
-            budgets[device] = 0 if free is None else max(0, free + held.get(device, 0) - margin)
+            budgets[device] = max(0, free + held.get(device, 0) - margin)
         elif isinstance(resident, float):
             budgets[device] = int(resident * sum(a.state_bytes(a.numel) for a in on_device))
         else:
