@@ -179,6 +179,23 @@ def test_mixin_rejects_an_unknown_schedule():
         model.configure_optimizers()
 
 
+def test_mixin_refuses_deepspeed_unless_offload_is_disabled():
+    """DeepSpeed's engine wraps the optimizer and offloads the state itself: the mixin refuses
+    it with an error naming the way out, and with ``offload_enabled=False`` gives torch's AdamW
+    for it to wrap."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    model = TinyModel()
+    # Not constructed: DeepSpeedStrategy's constructor needs deepspeed installed.
+    model._trainer = SimpleNamespace(strategy=object.__new__(DeepSpeedStrategy))
+    with pytest.raises(ValueError, match=r"strategy is DeepSpeed.*offload_enabled=False"):
+        model.configure_optimizers()
+    model.hparams.offload_enabled = False
+    assert not model.configure_optimizers().enabled
+
+
 def test_lightning_cli_sets_hyperparameters(tmp_path):
     from lightning.pytorch.cli import LightningCLI
 

@@ -201,6 +201,8 @@ class OffloadOptimizerMixin:
     def configure_optimizers(self) -> Any:
         """OffloadAdamW, with the warm-up/cosine schedule when the hyperparameters ask for it."""
         optimizer = OffloadAdamW(**self.offload_optimizer_args())
+        if optimizer.enabled:
+            _refuse_deepspeed(getattr(self, "_trainer", None))
         if self.offload_hparam("overlap_step") and optimizer.enabled:
             assert isinstance(self, torch.nn.Module)
             optimizer.overlap_with(self, blocks=self.offload_overlap_blocks())  # until teardown
@@ -380,6 +382,22 @@ def _watch_training_step(module: OffloadOptimizerMixin) -> None:
 
     watched._offload_watch = True  # type: ignore[attr-defined]
     module.training_step = watched  # type: ignore[method-assign]
+
+
+def _refuse_deepspeed(trainer: pl.Trainer | None) -> None:
+    """DeepSpeed wraps the optimizer it is given in its own ZeRO engine, which manages the
+    state (and offloads it, with ``offload_optimizer``) itself: the two were never checked
+    together, and the engine's flat fp32 partitions replace the parameters this optimizer
+    was given."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if trainer is not None and isinstance(trainer.strategy, DeepSpeedStrategy):
+        raise ValueError(
+            "OffloadOptimizerMixin: the Trainer's strategy is DeepSpeed, which brings its own "
+            "optimizer offload (ZeRO-Offload); OffloadAdamW runs under DDP, FSDP2 "
+            "(ModelParallelStrategy) or a single device. Use one of those, or set the hparam "
+            "offload_enabled=False to get torch.optim.AdamW for DeepSpeed to wrap."
+        )
 
 
 def _weight_averaging_callbacks(callbacks: list[Any]) -> list[Any]:
