@@ -261,8 +261,11 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._pipeline.run(chunks, update, overlap=overlap is not None)
                 for i in with_master:  # the updates, queued, have written the parameters
                     active[i].slot.param_mark = write_mark(active[i].param)
+                # The next step's first copies start in backward, into the places of this
+                # step's copy-outs (a step without the overlap leaves none to queue: older
+                # chunks' copies would not wait for this step's copy-outs).
+                self._next_chunks = chunks if overlap is not None else []
                 if overlap is not None:
-                    self._next_chunks = chunks  # the next step's first copies start in backward
                     overlap.stepped(
                         (active[seg.index].param, event, chunk.arena.device)
                         for chunk, event in zip(chunks, self._pipeline.updated, strict=True)

@@ -9,7 +9,9 @@ optimizers under the mixin, tuners and a failed ``fit``. Each compares with an i
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -556,3 +558,58 @@ def test_a_forward_that_raises_before_the_first_step_leaves_no_watch_behind():
     model(torch.ones(2, 4)).sum().backward()
     assert torch._C._len_torch_function_stack() == depth
     assert not overlap.read_before_hook
+
+
+class DeclaredLastUsedFirst(nn.Module):
+    """``a`` is declared (laid out) first, ``b`` used first: overlapped steps order the chunks
+    b, a; steps without the overlap in memory order, a, b."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8, bias=False)  # 64 elements: one chunk each
+        self.b = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return self.a(torch.tanh(self.b(x))).square().sum()
+
+
+def test_copies_queued_in_backward_after_a_step_without_the_overlap(stream_order):
+    """The overlap removed for a step and added again: the next forward queues no copies of the
+    last overlapped step's chunks, whose staging buffers are no longer the ones the step
+    between wrote each host range back from (the copy of b would read its host range before
+    that step's write-back of it ends). Found by a review, with the checker."""
+    model, reference = DeclaredLastUsedFirst(), DeclaredLastUsedFirst()
+    opt = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True)
+    inputs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    pairs = [(model, opt), (reference, ref_opt)]
+    train_alike(pairs, inputs[0:1])  # laid out as declared: a, b
+    overlap = opt.overlap_with(model)
+    train_alike(pairs, inputs[1:2])  # chunks b, a
+    overlap.remove()
+    train_alike(pairs, inputs[2:3])  # chunks a, b
+    opt.overlap_with(model)
+    train_alike(pairs, inputs[3:4])
+    train_alike(pairs, inputs[4:5])
+    opt.wait_for_updates()
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def test_an_arena_dropped_after_the_overlap_is_removed_is_freed():
+    """After the overlap is removed, nothing keeps the last overlapped step's chunks, and with
+    them arenas the host state dropped (their host and resident buffers), which
+    ``memory_stats()`` no longer counts."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=0.5)
+    overlap = opt.overlap_with(model)
+    pair = [(lambda x: model(x).square().sum(), opt)]
+    inputs = [torch.randn(2, 16, generator=torch.Generator().manual_seed(0))]
+    train_alike(pair, inputs * 3)
+    old = weakref.ref(opt._host.arenas[0])
+    overlap.remove()
+    opt.state.clear()  # a new phase of training: the state laid out anew
+    train_alike(pair, inputs * 2)
+    gc.collect()
+    assert old() is None
