@@ -115,9 +115,9 @@ class OffloadAdamW(torch.optim.AdamW):
             where torch reports no free memory: only CUDA devices do).
             Whole parameters, those the forward pass uses first (see :meth:`overlap_with`;
             else as the param groups list them), each kept if it fits in what is left.
-            Chosen at the start of each step whose parameters' state is laid out anew or whose
-            forward pass first used a parameter (from the second step); checkpoints are the
-            same whatever the share.
+            Chosen at the start of each step whose parameters' state is laid out anew, whose
+            forward pass first used a parameter (from the second step), or after the attribute
+            ``resident`` is set anew; checkpoints are the same whatever the share.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -220,7 +220,7 @@ class OffloadAdamW(torch.optim.AdamW):
             return loss
         self._refuse_if_interrupted()
         hyper = [group_hyperparameters(g, i) for i, g in enumerate(self.param_groups)]
-        if self.resident is not None:
+        if self.resident is not None or self._pipeline.resident_bytes:  # set, or set to None
             self._choose_resident()
         active, new_slots = self._collect_active()
         if not active:
@@ -331,10 +331,12 @@ class OffloadAdamW(torch.optim.AdamW):
         their state lies: a resumed run (laid out in declaration order) keeps what the
         uninterrupted run (laid out in forward order) keeps.
         """
+        resident = check_resident(self.resident)  # also a value set after construction
         arenas = [a for a in self._host.arenas if self._pipeline.stages(a.device)]
         overlap = self._overlapping()
         known = len(overlap.order) if overlap is not None else None
-        key = (tuple(weakref.ref(a) for a in arenas), known)  # dead arenas' ids may be reused
+        # Weak references: dead arenas' ids may be reused.
+        key = (tuple(weakref.ref(a) for a in arenas), known, resident)
         if key == self._resident_for:
             return
         staged = {id(a) for a in arenas}
@@ -345,7 +347,7 @@ class OffloadAdamW(torch.optim.AdamW):
         candidates = (slots[p] for p in listed if p in slots and id(slots[p].arena) in staged)
         # Resident buffers held now are freed by the new choice: "auto" may count them.
         held = self._pipeline.resident_bytes_by_device
-        chosen = choose_resident(candidates, budget_bytes(self.resident, arenas, held))
+        chosen = choose_resident(candidates, budget_bytes(resident, arenas, held))
         ranges = {a: chosen.get(a, ResidentRanges()) for a in arenas}
         if any(a.resident != r for a, r in ranges.items()):
             self._wait_host()  # resident state newer than the host's is written back

@@ -302,3 +302,31 @@ def test_state_is_kept_resident_again_after_release_device_memory(stream_order):
     assert ours.memory_stats()["resident_bytes"] == before
     assert_same(params, reference)
     stream_order.expect_none()
+
+
+def test_resident_set_anew_is_followed_from_the_next_step(stream_order):
+    """``opt.resident`` set after construction: the next step keeps the new share (``0.0`` or
+    ``None`` frees the resident buffers, which were kept before); an invalid value is refused
+    at the step, which then changes nothing. Results stay torch's throughout."""
+    params = make_params(SHAPES)
+    reference = clone_params(params)
+    ours = staged(params, resident=1.0)
+    torch_opt = torch.optim.AdamW(reference, lr=0.05, fused=True)
+    generator = torch.Generator().manual_seed(8)
+    step_together([ours, torch_opt], [params, reference], generator, 2)
+    full = ours.memory_stats()["resident_bytes"]
+    assert full > 0
+    for resident, expected in [(0.0, 0), (1.0, full), (None, 0), (0.99, None)]:
+        ours.resident = resident
+        step_together([ours, torch_opt], [params, reference], generator, 1)
+        held = ours.memory_stats()["resident_bytes"]
+        assert held == expected if expected is not None else 0 < held < full
+    ours.resident = 2.0
+    before = [p.clone() for p in params]
+    with pytest.raises(ValueError, match=r"resident as a share of the state must be in \[0, 1\]"):
+        ours.step()
+    assert_same(params, before)
+    ours.resident = 0.5
+    ours.step()
+    torch_opt.step()
+    assert_same(params, reference)
