@@ -72,6 +72,42 @@ def concurrent_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+def launch_queue_depth(kind: str, limit: int = 4096, hold_ms: float = 1000.0) -> int | None:
+    """How many operations of ``kind`` (``"kernel"``, ``"copy"`` host->device, ``"event"``
+    record) one busy CUDA stream takes before queuing the next blocks the host; None if
+    ``limit`` went in freely. The stream is held by a spin kernel of about ``hold_ms``, then
+    operations are queued one by one, each timed on the host: the first that takes over 100 ms
+    waited for the queue to drain. Decides whether a step's ~5 operations per chunk on each copy
+    stream can block ``step()`` (see ``call_ms``)."""
+    stream = torch.cuda.Stream()
+    small = torch.zeros(256, device="cuda")
+    host = torch.zeros(256).pin_memory()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(10_000_000)
+    end.record(stream)
+    end.synchronize()
+    cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+    operations = {
+        "kernel": lambda: small.add_(1.0),
+        "copy": lambda: small.copy_(host, non_blocking=True),
+        "event": lambda: torch.cuda.Event().record(stream),
+    }
+    operation = operations[kind]
+    depth = None
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(hold_ms * cycles_per_ms))
+        for index in range(limit):
+            began = time.perf_counter()
+            operation()
+            if time.perf_counter() - began > 0.1:
+                depth = index
+                break
+    stream.synchronize()
+    return depth
+
+
 def make_params(total: int, dtype: torch.dtype, count: int = 24) -> list[torch.nn.Parameter]:
     params = []
     for _ in range(count):
@@ -118,11 +154,19 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}: pinned h2d {h2d:.1f} GB/s, d2h {d2h:.1f} GB/s, "
         f"both at once {both:.1f} GB/s each"
     )
+    depths: dict[str, int | str | None] = {}
+    for kind in ("kernel", "copy", "event"):
+        try:
+            depths[kind] = launch_queue_depth(kind)
+        except Exception as error:  # report, and measure the rest
+            depths[kind] = f"failed: {error!r}"
+    print(f"operations a busy stream queues before the host blocks (None: over 4096): {depths}")
     result = {
         "device": torch.cuda.get_device_name(),
         "h2d_gbps": h2d,
         "d2h_gbps": d2h,
         "concurrent_gbps_each_way": both,
+        "launch_queue_depth": depths,
         "torch": torch.__version__,
         "rows": [],
     }
