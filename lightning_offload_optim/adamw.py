@@ -906,6 +906,14 @@ class OffloadAdamW(torch.optim.AdamW):
         """
         return self._pipeline.last_record
 
+    def take_copies_between_steps(self) -> StepRecord:
+        """The copies queued since the latest step, which the next step's record would
+        include: those of the next step's first chunks queued during a forward pass, and
+        resident state written back to the host (for a checkpoint, or by
+        :meth:`release_device_memory`). Taken out of the next step's record: a monitor counts
+        them so when training ends and no step follows."""
+        return self._pipeline.take_between_steps()
+
     def memory_stats(self) -> dict[str, int | bool]:
         """Memory the optimizer holds, in bytes.
 

@@ -149,6 +149,11 @@ class StagingPipeline:
         self.last_record: StepRecord | None = None
         self.updated: list[torch.Event | None] = []
 
+    def take_between_steps(self) -> StepRecord:
+        """The copies queued since the last run (a fresh record counts the next ones)."""
+        record, self._between_steps = self._between_steps, StepRecord()
+        return record
+
     def stages(self, device: torch.device) -> bool:
         return self.force_staging or device.type != "cpu"
 
@@ -297,7 +302,7 @@ class StagingPipeline:
         which its parameters are updated (``None`` where it ran in program order). Returns the
         step's :class:`StepRecord` (also kept as :attr:`last_record`).
         """
-        record, self._between_steps = self._between_steps, StepRecord()
+        record = self.take_between_steps()
         prefetched, self._prefetched = self._prefetched, {}
         self._views_lent = False  # the views' writes before this step are read now
         started = time.perf_counter()

@@ -2,9 +2,9 @@
 
 Every expected value is derived here from the model's parameter sizes (TinyModel: 385 fp32
 elements, chunks of 64 with ``force_staging=True``), never from the library's own counters.
-Logged values go through ``LightningModule.log`` (float32); byte counts here are small enough
-to be exact in float32. Bytes per interval are read from the cumulative ``total_moved_bytes``
-(both ways) and, per direction, from ``h2d_gbps * h2d_ms * interval_steps`` (GB/s * ms = 1e6 B).
+Logged values go through ``LightningModule.log`` as float64, exact for byte counts. Bytes per
+interval are read from the cumulative ``total_moved_bytes`` (both ways) and, per direction, from
+``h2d_gbps * h2d_ms * interval_steps`` (GB/s * ms = 1e6 B).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def resident_numel(share: float, order: list[int]) -> int:
 def test_resident_share_moves_only_the_rest(tmp_path, share, overlap):
     model = TinyModel(force_staging=True, offload_resident=share, overlap_step=overlap)
     saver = ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=4, save_top_k=-1)
-    logger, _ = fit(tmp_path, model, callbacks=[saver], enable_checkpointing=True)
+    logger, monitor = fit(tmp_path, model, callbacks=[saver], enable_checkpointing=True)
     rows = logger.rows
     # With overlap the arena is laid out in forward order; else in param-group order (decayed
     # weights first): l1.weight, l2.weight, then the biases and norm weights.
@@ -223,6 +223,10 @@ def test_resident_share_moves_only_the_rest(tmp_path, share, overlap):
     expected_out = [STATE, rest, rest, rest, resident + rest, rest]
     assert_directions(rows, expected_in, expected_out)
     assert moved(rows) == [i + o for i, o in zip(expected_in, expected_out, strict=True)]
+    # After the last row the mixin writes the resident part back as training ends: the totals
+    # (and the summary) count it.
+    assert monitor.totals["bytes_in"] == sum(expected_in)
+    assert monitor.totals["bytes_out"] == sum(expected_out) + resident
 
     # Resumed from the checkpoint after step 4: the loaded state is laid out anew, the prefix
     # chosen and uploaded at the first step (5); total_moved_bytes continues from the checkpoint.
@@ -240,6 +244,95 @@ def test_resident_share_moves_only_the_rest(tmp_path, share, overlap):
     ]
     for _, m in resumed:
         assert m[P + "resident_bytes"] == resident
+
+
+class Validated(TinyModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(4), batch_size=4)
+
+
+def test_copies_queued_after_the_last_step_count_in_the_totals(tmp_path, monkeypatch):
+    """A validation pass after the last step queues the copies of a next step's first chunks
+    (overlap), which no step follows to count them: the totals count them when training
+    ends."""
+    counter = CountPrefetches(monkeypatch)
+    model = Validated(force_staging=True, overlap_step=True)
+    _, monitor = fit(tmp_path, model, max_steps=4, num_sanity_val_steps=0)
+    assert counter.queued == 4  # before steps 2, 3 and 4, and in the validation after step 4
+    assert monitor.totals["bytes_in"] == 4 * STATE + PREFETCH
+    assert monitor.totals["bytes_out"] == 4 * STATE
+    assert monitor.totals["steps"] == 4  # copies between steps are no step
+
+
+class StopAtBatch(Callback):
+    """Stops training at the end of batch ``index``, after the monitor's hook, as a ``Timer``'s
+    ``max_time`` does: Lightning then writes that batch's row although it is no logging step."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.index:
+            trainer.should_stop = True
+
+
+def test_training_stopped_between_logging_steps_writes_its_last_interval(tmp_path):
+    logger, monitor = fit(
+        tmp_path,
+        TinyModel(force_staging=True),
+        log_every_n_steps=2,
+        max_steps=10,
+        callbacks=[StopAtBatch(2)],
+    )
+    rows = logger.rows
+    # A row at step 1 (steps 1-2). Stopped at the 3rd: Lightning writes its row without the
+    # monitor's values (they would repeat step 1's), and the monitor writes step 3's figures
+    # when training ends.
+    assert [s for s, _ in rows] == [1, 2]
+    assert [m[P + "interval_steps"] for _, m in rows] == [2.0, 1.0]
+    assert moved(rows) == [4 * STATE, 2 * STATE]
+    assert_directions(rows, [2 * STATE, STATE], [2 * STATE, STATE])
+    assert monitor.totals["steps"] == 3
+
+
+class ResidentLarge(TinyModel):
+    """A 64 MiB parameter kept resident at a share of 0.5, and 134,220,312 bytes of state
+    offloaded: a byte count float32 cannot hold (it rounds to a multiple of 16)."""
+
+    OFFLOADED, RESIDENT = 16_777_539, 8 << 20
+
+    def __init__(self) -> None:
+        super().__init__(force_staging=True, offload_resident=0.5)
+        self.offloaded = torch.nn.Parameter(torch.zeros(self.OFFLOADED))
+        self.kept = torch.nn.Parameter(torch.zeros(self.RESIDENT))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        extra = self.offloaded.mean() + self.kept.mean()
+        return super().training_step(batch, batch_idx) + extra
+
+    def offload_optimizer_args(self) -> dict[str, Any]:
+        return {**super().offload_optimizer_args(), "chunk_size": 1 << 22}  # not 64: 400k chunks
+
+
+def test_memory_saved_is_exact_and_the_summary_reports_it_while_training(tmp_path):
+    """``memory_saved_bytes`` is logged exactly (float64), and the summary at the end of fit
+    reports the state held off the device during training, not after the mixin wrote the
+    resident part back."""
+    monitor = OffloadMonitor(summary=True)
+    logger, _ = fit(tmp_path, ResidentLarge(), monitor=monitor, max_steps=2)
+    offloaded = 8 * ResidentLarge.OFFLOADED
+    assert float(torch.tensor(offloaded, dtype=torch.float32)) != offloaded
+    resident = 8 * (ResidentLarge.RESIDENT + NUMEL)  # the rest fits in what is left
+    assert logger.rows[-1][1][P + "resident_bytes"] == resident
+    assert logger.rows[-1][1][P + "memory_saved_bytes"] == offloaded
+    assert monitor.summary_text().startswith(
+        f"OffloadMonitor: {offloaded / 1e9:.3f} GB of optimizer state kept in host memory"
+    )
+    assert f"{offloaded / 1e9:.3f}" != f"{(offloaded + resident) / 1e9:.3f}"
 
 
 # --------------------------------------------------------------------------- 3. accumulation
@@ -263,11 +356,12 @@ def test_accumulation_with_a_log_cadence_not_dividing_the_steps(tmp_path):
         enable_checkpointing=True,
     )
     rows = logger.rows
-    # Logged at the 3rd and 6th optimizer step; step 7 is not logged.
-    assert [s for s, _ in rows] == [2, 5]
-    assert [m[P + "interval_steps"] for _, m in rows] == [3.0, 3.0]
-    assert [m[P + "total_moved_bytes"] for _, m in rows] == [3 * 2 * STATE, 6 * 2 * STATE]
-    assert_directions(rows, [3 * STATE] * 2, [3 * STATE] * 2)
+    # Logged at the 3rd and 6th optimizer step; step 7, between two of Lightning's logging
+    # steps, is written when training ends, at its own step.
+    assert [s for s, _ in rows] == [2, 5, 6]
+    assert [m[P + "interval_steps"] for _, m in rows] == [3.0, 3.0, 1.0]
+    assert [m[P + "total_moved_bytes"] for _, m in rows] == [6 * STATE, 12 * STATE, 14 * STATE]
+    assert_directions(rows, [3 * STATE, 3 * STATE, STATE], [3 * STATE, 3 * STATE, STATE])
     assert monitor.totals["steps"] == 7
     assert monitor.totals["bytes_in"] + monitor.totals["bytes_out"] == 7 * 2 * STATE
 

@@ -33,7 +33,8 @@ class OffloadMonitor(Callback):
 
     Values go through ``LightningModule.log_dict``, so every logger (TensorBoard, CSV, MLflow,
     W&B) receives them, at the Trainer's ``log_every_n_steps``. Between logs they are aggregated
-    with torchmetrics (sums and a max) and reduced across ranks when logged. Timings come from
+    with torchmetrics (sums and a max) and reduced across ranks when logged; steps no logged
+    row holds when training ends (or stops) are written then. Timings come from
     CUDA events read only when a value is logged (no synchronisation on other steps), or from the
     wall clock on the CPU. Units: ms, bytes, and GB = 1e9 bytes. Every figure describes one rank:
     times and bandwidths are means over the steps of all ranks, ``step_ms_max`` is the slowest
@@ -98,6 +99,9 @@ class OffloadMonitor(Callback):
         self._hooks: list[RemovableHandle] = []
         self._seen: dict[int, StepRecord | None] = {}
         self._pending: list[StepRecord] = []
+        self._unlogged = False  # a training batch ended since the last row the monitor wrote
+        self._shown = False  # its values of the last row are still in Lightning's results
+        self._saved_at_train_end: int | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         drop_stale_ctrl_c_hold(trainer)  # from a run that failed before its batch's end
@@ -120,6 +124,8 @@ class OffloadMonitor(Callback):
         # Kept on the CPU between logs (updating it there never waits for the device); moved
         # to the module's device only to be reduced across ranks when logged.
         self._interval = IntervalTotals()
+        self._unlogged = self._shown = False
+        self._saved_at_train_end = None
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -148,12 +154,54 @@ class OffloadMonitor(Callback):
         # Fold in steps whose events are done; keeps few events alive, never waits.
         self._pending = [r for r in self._pending if not self._fold(r.poll())]
         if not self._logs_now(trainer, pl_module):
+            self._unlogged = True
+            if self._shown:
+                self._hide_logged_values(trainer)
             return
         self._fold_pending()
-        pl_module.log_dict(self._compute_and_reset(pl_module), on_step=True, on_epoch=False)
+        # float64: Lightning keeps it (a float becomes float32, which rounds bytes past 2**24).
+        logged = self._compute_and_reset(pl_module)
+        pl_module.log_dict(
+            {name: torch.tensor(value, dtype=torch.float64) for name, value in logged.items()},
+            on_step=True,
+            on_epoch=False,
+        )
+        self._unlogged, self._shown = False, True
         if self.prog_bar:
             saved = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
             pl_module.log(f"{self.prefix}memory_saved_gb", saved / 1e9, prog_bar=True)
+
+    def _hide_logged_values(self, trainer: pl.Trainer) -> None:
+        """Lightning writes a row at a batch the monitor did not log when a later hook stops
+        training (``trainer.should_stop``: a ``Timer``'s ``max_time``, early stopping): it
+        would repeat the values of the monitor's last row. Reset, they are left out of it
+        (and of ``callback_metrics``) until the monitor logs again; :meth:`on_train_end`
+        writes the interval that row should have held."""
+        for item in trainer._results.values():
+            if item.meta.fx == "on_train_batch_end" and item.meta.name.startswith(self.prefix):
+                item.reset()
+        self._shown = False
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Note the memory saved before the state leaves the device (the mixin writes resident
+        state back when training ends, after the callbacks), and write to the loggers the steps
+        since the monitor's last row, which no row holds (training stopped, or ended, between
+        two of Lightning's logging steps)."""
+        if not self._optimizers:
+            return
+        self._saved_at_train_end = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
+        if not self._unlogged:
+            return
+        self._fold_pending()
+        logged = self._compute_and_reset(pl_module)  # on every rank: it reduces across them
+        self._unlogged = False
+        step = max(0, trainer.fit_loop.epoch_loop._batches_that_stepped - 1)  # the last batch's
+        for logger in trainer.loggers:
+            logger.log_metrics(logged, step=step)
+
+    def _fold_copies_between_steps(self) -> None:
+        for optimizer in self._optimizers:
+            self._fold(optimizer.take_copies_between_steps().resolve(), steps=0.0)
 
     def _stepped(self, optimizer: OffloadAdamW, args: Any, kwargs: Any) -> None:
         """Step post-hook: queue the step's record (a step with nothing to update makes none)."""
@@ -183,12 +231,13 @@ class OffloadMonitor(Callback):
             self._fold(record.resolve())
         self._pending = []
 
-    def _fold(self, stats: StepStats | None) -> bool:
-        """Add one resolved step to the interval's metrics and the totals; False if unresolved."""
+    def _fold(self, stats: StepStats | None, steps: float = 1.0) -> bool:
+        """Add one resolved step (or copies between steps, ``steps=0``) to the interval's
+        metrics and the totals; False if unresolved."""
         if stats is None:
             return False
         values = (
-            1.0,
+            steps,
             stats.step_seconds,
             stats.copy_in_seconds,
             stats.copy_out_seconds,
@@ -239,6 +288,9 @@ class OffloadMonitor(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._optimizers:
             return
+        # Copies no step follows to count them: a validation pass's copies of the next step's
+        # first chunks, resident state written back as training ended.
+        self._fold_copies_between_steps()
         self._fold_pending()
         if self.summary:
             rank_zero_info(self.summary_text())
@@ -248,7 +300,9 @@ class OffloadMonitor(Callback):
         monitor (resumes included). GB = 1e9 bytes, as in the metric names."""
         t = self.totals
         per_step = _per_step(t)
-        saved = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
+        saved = self._saved_at_train_end
+        if saved is None:  # training has not ended
+            saved = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
         head = (
             f"OffloadMonitor: {saved / 1e9:.3f} GB of optimizer state kept in host memory "
             f"(this rank); {int(t['steps'])} optimizer steps so far, "
