@@ -177,7 +177,7 @@ class OffloadMonitor(Callback):
         would repeat the values of the monitor's last row. Reset, they are left out of it
         (and of ``callback_metrics``) until the monitor logs again; :meth:`on_train_end`
         writes the interval that row should have held."""
-        for item in trainer._results.values():
+        for item in (getattr(trainer, "_results", None) or {}).values():  # Lightning's own
             if item.meta.fx == "on_train_batch_end" and item.meta.name.startswith(self.prefix):
                 item.reset()
         self._shown = False
