@@ -73,8 +73,9 @@ def concurrent_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def launch_queue_depth(kind: str, limit: int = 4096, hold_ms: float = 1000.0) -> int | None:
-    """How many operations of ``kind`` (``"kernel"``, ``"copy"`` host->device, ``"event"``
-    record) one busy CUDA stream takes before queuing the next blocks the host; None if
+    """How many operations of ``kind`` (``"kernel"``, ``"copy"`` host->device from pinned
+    memory, which torch follows with an event of its own, ``"event"`` record) one busy CUDA
+    stream takes before queuing the next blocks the host; None if
     ``limit`` went in freely. The stream is held by a spin kernel of about ``hold_ms``, then
     operations are queued one by one, each timed on the host: the first that takes over 100 ms
     waited for the queue to drain. Decides whether a step's ~5 operations per chunk on each copy
@@ -97,6 +98,8 @@ def launch_queue_depth(kind: str, limit: int = 4096, hold_ms: float = 1000.0) ->
     operation = operations[kind]
     depth = None
     with torch.cuda.stream(stream):
+        operation()  # loads its kernel first: a lazy load may wait for the device
+        stream.synchronize()
         torch.cuda._sleep(int(hold_ms * cycles_per_ms))
         for index in range(limit):
             began = time.perf_counter()

@@ -336,7 +336,8 @@ class OffloadAdamW(torch.optim.AdamW):
         overlap = self._overlapping()
         known = len(overlap.order) if overlap is not None else None
         # Weak references: dead arenas' ids may be reused.
-        key = (tuple(weakref.ref(a) for a in arenas), known, resident)
+        # The type too: 1 (a byte) == 1.0 (the whole state).
+        key = (tuple(weakref.ref(a) for a in arenas), known, type(resident), resident)
         if key == self._resident_for:
             return
         staged = {id(a) for a in arenas}

@@ -299,6 +299,26 @@ def test_training_stopped_between_logging_steps_writes_its_last_interval(tmp_pat
     assert monitor.totals["steps"] == 3
 
 
+def test_training_stopped_on_an_accumulating_batch_writes_no_empty_row(tmp_path):
+    """Batch 2 only accumulates (no step since the row of batch 1): nothing is left to write."""
+    logger, monitor = fit(
+        tmp_path,
+        TinyModel(force_staging=True),
+        accumulate_grad_batches=2,
+        max_steps=10,
+        callbacks=[StopAtBatch(2)],
+    )
+    assert [(s, m[P + "interval_steps"]) for s, m in logger.rows] == [(0, 1.0)]
+    assert monitor.totals["steps"] == 1
+
+
+def test_no_rows_when_step_logging_is_off(tmp_path):
+    """``log_every_n_steps=0``: Lightning writes no step rows, nor does the monitor."""
+    logger, monitor = fit(tmp_path, TinyModel(force_staging=True), log_every_n_steps=0)
+    assert logger.rows == []
+    assert monitor.totals["steps"] == 6
+
+
 class ResidentLarge(TinyModel):
     """A 64 MiB parameter kept resident at a share of 0.5, and 134,220,312 bytes of state
     offloaded: a byte count float32 cannot hold (it rounds to a multiple of 16)."""

@@ -154,7 +154,8 @@ class OffloadMonitor(Callback):
         # Fold in steps whose events are done; keeps few events alive, never waits.
         self._pending = [r for r in self._pending if not self._fold(r.poll())]
         if not self._logs_now(trainer, pl_module):
-            self._unlogged = True
+            # Batches that step count (the same on every rank: the flush reduces across them).
+            self._unlogged |= not _accumulating(trainer, pl_module)
             if self._shown:
                 self._hide_logged_values(trainer)
             return
@@ -174,9 +175,9 @@ class OffloadMonitor(Callback):
     def _hide_logged_values(self, trainer: pl.Trainer) -> None:
         """Lightning writes a row at a batch the monitor did not log when a later hook stops
         training (``trainer.should_stop``: a ``Timer``'s ``max_time``, early stopping): it
-        would repeat the values of the monitor's last row. Reset, they are left out of it
-        (and of ``callback_metrics``) until the monitor logs again; :meth:`on_train_end`
-        writes the interval that row should have held."""
+        would repeat the values of the monitor's last row. Reset, they are left out of it until
+        the monitor logs again (``callback_metrics`` keeps them); :meth:`on_train_end` writes the
+        interval that row should have held."""
         for item in (getattr(trainer, "_results", None) or {}).values():  # Lightning's own
             if item.meta.fx == "on_train_batch_end" and item.meta.name.startswith(self.prefix):
                 item.reset()
@@ -190,7 +191,7 @@ class OffloadMonitor(Callback):
         if not self._optimizers:
             return
         self._saved_at_train_end = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
-        if not self._unlogged:
+        if not self._unlogged or trainer.log_every_n_steps == 0:  # 0: no step rows at all
             return
         self._fold_pending()
         logged = self._compute_and_reset(pl_module)  # on every rank: it reduces across them
@@ -221,7 +222,7 @@ class OffloadMonitor(Callback):
     @staticmethod
     def _logs_now(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         """Whether Lightning writes this batch's step metrics (the same on every rank)."""
-        if trainer.fit_loop._should_accumulate() and pl_module.automatic_optimization:
+        if _accumulating(trainer, pl_module):
             return False  # Lightning drops step logs of accumulating batches
         return trainer._logger_connector.should_update_logs
 
@@ -356,6 +357,11 @@ class IntervalTotals(Metric):
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.sums, self.slowest, self.host_bytes
+
+
+def _accumulating(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether this batch only accumulates gradients (no optimizer step)."""
+    return trainer.fit_loop._should_accumulate() and pl_module.automatic_optimization
 
 
 def _saved_bytes(stats: dict[str, Any]) -> int:
