@@ -79,20 +79,32 @@ def budget_bytes(
         by_device.setdefault(arena.device, []).append(arena)
     budgets = {}
     for device, on_device in by_device.items():
-        if resident is None:
-            budgets[device] = 0
-        elif resident == "auto":
+        if resident == "auto":
             free = free_device_memory(device)
             if free is None:  # nothing known to be free: keep nothing
                 budgets[device] = 0
                 continue
-            margin = max(int(AUTO_MARGIN * total_memory(device)), AUTO_MARGIN_BYTES)
+            margin = auto_margin(total_memory(device))
             budgets[device] = max(0, free + held.get(device, 0) - margin)
-        elif isinstance(resident, float):
-            budgets[device] = int(resident * sum(a.state_bytes(a.numel) for a in on_device))
         else:
-            budgets[device] = int(resident)
+            state = sum(a.state_bytes(a.numel) for a in on_device)
+            budgets[device] = fixed_budget(resident, state)
     return budgets
+
+
+def auto_margin(total: int) -> int:
+    """Bytes ``"auto"`` leaves free on a device of ``total`` bytes."""
+    return max(int(AUTO_MARGIN * total), AUTO_MARGIN_BYTES)
+
+
+def fixed_budget(resident: float | int | None, state: int) -> int:
+    """The resident budget on a device holding ``state`` bytes of state, for any ``resident``
+    but ``"auto"``: none, a share of the state, or a number of bytes."""
+    if resident is None:
+        return 0
+    if isinstance(resident, float):
+        return int(resident * state)
+    return int(resident)
 
 
 def choose_resident(
