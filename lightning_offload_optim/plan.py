@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import math
 import operator
@@ -22,7 +21,7 @@ import re
 import textwrap
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,14 @@ from lightning_offload_optim.adamw import DEFAULT_CHUNK_SIZE
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
 from lightning_offload_optim.host_state import MASTER_KEY, PAGE_SIZE, state_dtype, state_keys
 from lightning_offload_optim.pipeline import GRAD_KEY, plan_chunks
-from lightning_offload_optim.resident import ResidentRanges
+from lightning_offload_optim.resident import (
+    Resident,
+    ResidentRanges,
+    auto_margin,
+    check_resident,
+    choose_resident,
+    fixed_budget,
+)
 
 # The package imports this module for its ``plan`` function (which then shadows the module as
 # ``lightning_offload_optim.plan``), so ``python -m lightning_offload_optim.plan`` finds it
@@ -160,8 +166,10 @@ class MemoryPlan:
     gpu_memory: int | None
     host_memory: int | None
     headroom: float
+    resident: Resident  # OffloadAdamW's ``resident``
+    bandwidth: float | None  # GB/s per direction of one GPU's link, for the copy-time note
     adamw: Footprint  # torch.optim.AdamW: state on the device, in the parameters' dtype
-    offload: Footprint  # OffloadAdamW: state in host RAM
+    offload: Footprint  # OffloadAdamW: state in host RAM, the resident share also on the GPU
     rank_state_bytes: tuple[int, ...]  # OffloadAdamW's logical state, per rank of node 0
     rank_offload: tuple[Usage, ...]  # OffloadAdamW's usage, per rank of node 0 (DDP: one)
 
@@ -170,9 +178,27 @@ class MemoryPlan:
         """OffloadAdamW's logical state on rank 0 (what would otherwise sit on the GPU)."""
         return self.rank_state_bytes[0]
 
+    @property
+    def resident_bytes(self) -> int:
+        """OffloadAdamW's state kept on rank 0's GPU (``resident``)."""
+        return self.rank_offload[0].device_state
+
+    @property
+    def copied_bytes(self) -> int:
+        """State rank 0 copies to its GPU at each step, and as much back: all of it that is
+        not resident."""
+        return self.state_bytes - self.resident_bytes
+
+    @property
+    def node_copied_bytes(self) -> int:
+        """State node 0's GPUs copy from its RAM at each step, all together (and as much back)."""
+        ranks = 1 if self.strategy == "fsdp2" else self.gpus  # DDP: one rank stands for all
+        return sum(self.rank_state_bytes) * ranks - self.offload.node.device_state
+
     def memory_stats(self, rank: int = 0) -> dict[str, int | bool]:
         """What ``OffloadAdamW.memory_stats()`` should report on ``rank`` (of node 0) after the
-        first step over every trainable parameter."""
+        first step over every trainable parameter (with ``resident``, after the second: the
+        resident state is chosen then)."""
         index = rank if self.strategy == "fsdp2" else 0
         if not 0 <= rank < self.gpus:
             raise ValueError(f"the plan holds node 0's ranks, 0 to {self.gpus - 1}; got {rank}")
@@ -182,7 +208,7 @@ class MemoryPlan:
             "host_bytes": self.rank_offload[index].host_state,
             "pinned": self.pin_memory and state > 0,
             "staging_bytes": self.rank_offload[index].staging,
-            "resident_bytes": 0,
+            "resident_bytes": self.rank_offload[index].device_state,
         }
 
     def format(self) -> str:
@@ -213,6 +239,10 @@ class MemoryPlan:
         usages = (self.adamw.gpu, self.adamw.node, self.offload.gpu, self.offload.node)
         for label, value in rows:
             lines.append(f"{label:<30}" + "".join(f"{value(u) / GB:>12.2f}" for u in usages))
+        copied = (0, 0, self.copied_bytes, self.node_copied_bytes)
+        lines.append(
+            f"{'state copied per step, 1 way':<30}" + "".join(f"{c / GB:>12.2f}" for c in copied)
+        )
         lines.append(
             f"{_fits_label('fits GPU', self.gpu_memory):<30}"
             + "".join(f"{_yes_no(f.fits_gpu):>12}{'':>12}" for f in (self.adamw, self.offload))
@@ -252,12 +282,44 @@ class MemoryPlan:
                 f"Left on each GPU for activations and the rest: {left[0]:.2f} GB with torch "
                 f"AdamW, {left[1]:.2f} GB with OffloadAdamW."
             )
+        notes.append(self._copy_note())
         pinned = "pinned" if self.pin_memory else "pageable"
         notes.append(
             f"OffloadAdamW: chunk_size {self.chunk_size:,}, {pinned} host memory, "
             f"amsgrad {'on' if self.amsgrad else 'off'}. GB = 1e9 bytes."
         )
         return [line for note in notes for line in textwrap.wrap(note, 100)]
+
+    def _copy_note(self) -> str:
+        """What each step copies over a GPU's link, and what stays resident."""
+        copied = f"{self.copied_bytes / GB:.2f} GB"
+        if self.resident is None:
+            note = f"OffloadAdamW copies all of its state, {copied} per GPU, to the GPU and back"
+        else:
+            share = "auto" if self.resident == "auto" else f"{self.resident!r}"
+            note = (
+                f"OffloadAdamW with resident={share} keeps {self.resident_bytes / GB:.2f} GB of "
+                f"state on each GPU (whole parameters, in their order); it copies the other "
+                f"{copied} to the GPU and back"
+            )
+        note += " at every step"
+        if self.bandwidth is not None:
+            seconds = self.copied_bytes / GB / self.bandwidth
+            note += (
+                f": about {seconds:.3g} s each way at {self.bandwidth:g} GB/s per direction "
+                "(arithmetic, bytes / bandwidth, not a measurement; the two directions can run "
+                "at once where the link is full duplex, and with overlap_with part of the "
+                "copies can run during the next forward pass)."
+            )
+        else:
+            note += " (pass bandwidth, --bandwidth, for the time it takes)."
+        if self.resident == "auto":
+            note += (
+                f" 'auto' is planned as what {1 - self.headroom:.0%} of the GPU leaves after the "
+                f"planned usage and auto's margin of {auto_margin(self.gpu_memory) / GB:.2f} GB; "
+                "a run measures free memory after its first step, activations included."
+            )
+        return note
 
 
 def _fits_label(label: str, memory: int | None) -> str:
@@ -387,31 +449,31 @@ def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:
 
 
 # ------------------------------------------------------------------------------ arithmetic
-class _PlannedArena:
-    """What :func:`~lightning_offload_optim.pipeline.plan_chunks` reads of an arena."""
+#: The device of every planned arena: a rank has one GPU.
+_RANK_GPU = "the rank's GPU"
 
-    resident = ResidentRanges()  # the plan keeps no state resident on the device
+
+@dataclass(eq=False)
+class _PlannedArena:
+    """What :func:`~lightning_offload_optim.pipeline.plan_chunks` and
+    :func:`~lightning_offload_optim.resident.choose_resident` read of an arena."""
+
+    bytes_per_element: int  # the state dtype's size times the state keys
+    # None at the first step, which sizes the staging buffers.
+    resident: ResidentRanges = field(default_factory=ResidentRanges)
+    device: str = _RANK_GPU
+
+    def state_bytes(self, numel: int) -> int:
+        return numel * self.bytes_per_element
 
 
 @dataclass(frozen=True)
 class _PlannedSlot:
-    """What :func:`~lightning_offload_optim.pipeline.plan_chunks` reads of a host slot."""
+    """What the pipeline's chunk planner and the resident chooser read of a host slot."""
 
-    arena: object
+    arena: _PlannedArena
     offset: int
     layout: _Param  # only its ``numel`` is read
-
-
-def _largest_chunk(numels: Sequence[int], bound: int) -> int:
-    """The largest chunk the pipeline's own planner cuts from an arena holding ``numels`` one
-    after another, chunks bounded by ``bound``."""
-    arena = _PlannedArena()
-    offsets = itertools.accumulate(numels, initial=0)
-    slots = [
-        _PlannedSlot(arena, offset, _Param((numel,), torch.float32))
-        for numel, offset in zip(numels, offsets, strict=False)
-    ]
-    return max((chunk.numel for chunk in plan_chunks(slots, bound)), default=0)
 
 
 def _host_buffer_bytes(nbytes: int, pinned: bool) -> int:
@@ -423,13 +485,16 @@ def _host_buffer_bytes(nbytes: int, pinned: bool) -> int:
 
 def _offload_usage(
     local: Sequence[tuple[_Param, int]], amsgrad: bool, bound: int, pin: bool
-) -> tuple[int, int, int]:
-    """OffloadAdamW on one rank: logical state bytes, host bytes, staging bytes.
+) -> tuple[int, int, int, list[_PlannedSlot]]:
+    """OffloadAdamW on one rank: logical state bytes, host bytes, staging bytes, and the host
+    slots of the parameters in their order.
 
     ``local`` pairs each trainable parameter with the elements of it this rank updates. Arenas
-    and staging buffers follow HostState.allocate and StagingPipeline.prepare."""
+    and staging buffers follow HostState.allocate and StagingPipeline.prepare (the largest
+    chunk the pipeline's own planner cuts, per state key)."""
     kinds: dict[torch.dtype, tuple] = {}
-    arenas: dict[tuple, list[int]] = {}
+    arenas: dict[tuple, tuple[_PlannedArena, list[_PlannedSlot]]] = {}
+    slots = []
     for param, numel in local:
         if param.dtype not in kinds:
             probe = torch.empty(0, dtype=param.dtype, device="meta")
@@ -438,19 +503,37 @@ def _offload_usage(
                 state_keys(probe, amsgrad),
                 probe.is_complex(),
             )
-        kind = kinds[param.dtype]
-        arenas.setdefault(kind, []).append(numel * (2 if param.dtype.is_complex else 1))
+        dtype, keys, _ = kind = kinds[param.dtype]
+        arena, members = arenas.setdefault(kind, (_PlannedArena(dtype.itemsize * len(keys)), []))
+        offset = members[-1].offset + members[-1].layout.numel if members else 0
+        real = numel * (2 if param.dtype.is_complex else 1)
+        members.append(_PlannedSlot(arena, offset, _Param((real,), dtype)))
+        slots.append(members[-1])
     state = host = 0
     staging: dict[tuple[torch.dtype, str], int] = {}
-    for (dtype, keys, _), numels in arenas.items():
-        nbytes = sum(numels) * dtype.itemsize
-        state += nbytes * len(keys)
-        host += _host_buffer_bytes(nbytes, pin) * len(keys)
-        largest = _largest_chunk(numels, bound)
+    for (dtype, keys, _), (arena, members) in arenas.items():
+        numel = sum(slot.layout.numel for slot in members)
+        state += arena.state_bytes(numel)
+        host += _host_buffer_bytes(numel * dtype.itemsize, pin) * len(keys)
+        largest = max((chunk.numel for chunk in plan_chunks(members, bound)), default=0)
         for key in (*keys, GRAD_KEY) if MASTER_KEY in keys else keys:
             staging[dtype, key] = max(staging.get((dtype, key), 0), largest)
     staged = STAGING_SETS * sum(numel * dtype.itemsize for (dtype, _), numel in staging.items())
-    return state, host, staged
+    return state, host, staged, slots
+
+
+def _resident_budget(
+    resident: Resident, state: int, device: int, gpu_memory: int | None, headroom: float
+) -> int:
+    """OffloadAdamW's resident budget on one rank (``resident.budget_bytes``), with ``state``
+    bytes of state and ``device`` bytes planned on its GPU without any resident. For
+    ``"auto"``, which measures free memory after the first step, the plan takes what it
+    leaves free of the GPU: its ``1 - headroom`` (what "fits" keeps for what is not modelled,
+    activations among it) less the planned usage and "auto"'s own margin."""
+    if resident != "auto":
+        return fixed_budget(resident, state)
+    assert gpu_memory is not None  # plan() refuses "auto" without it
+    return max(0, int((1 - headroom) * gpu_memory) - device - auto_margin(gpu_memory))
 
 
 def _rank_usages(
@@ -460,11 +543,16 @@ def _rank_usages(
     amsgrad: bool,
     bound: int,
     pin: bool,
+    resident: Resident,
+    gpu_memory: int | None,
+    headroom: float,
 ) -> tuple[Usage, Usage, int]:
     """torch AdamW's and OffloadAdamW's usage on one rank, and OffloadAdamW's logical state.
 
     ``rows`` gives, per parameter, the dim-0 rows this rank updates and those its device
-    stores (FSDP2 pads every shard to the first one's size)."""
+    stores (FSDP2 pads every shard to the first one's size). The resident state is chosen by
+    the optimizer's own rule, over the parameters in their order (the first forward's order
+    for a model that uses them as it declares them)."""
     stored = grads = adamw_state = 0
     trainable: list[tuple[_Param, int]] = []
     for param, (local_rows, stored_rows) in zip(params, rows, strict=True):
@@ -475,10 +563,13 @@ def _rank_usages(
             grads += stored_rows * per_row * itemsize
             adamw_state += local_rows * per_row * itemsize * (3 if amsgrad else 2)
             trainable.append((param, local_rows * per_row))
-    state, host, staging = _offload_usage(trainable, amsgrad, bound, pin)
+    state, host, staging, slots = _offload_usage(trainable, amsgrad, bound, pin)
     adamw = Usage(stored, grads, unsharded, adamw_state, 0, 0)
     offload = Usage(stored, grads, unsharded, 0, staging, host)
-    return adamw, offload, state
+    budget = _resident_budget(resident, state, offload.device, gpu_memory, headroom)
+    chosen = choose_resident(slots, {_RANK_GPU: budget})
+    kept = sum(arena.state_bytes(ranges.numel) for arena, ranges in chosen.items())
+    return adamw, replace(offload, device_state=kept), state
 
 
 def _shard_rows(param: _Param, rank: int, world: int) -> tuple[int, int]:
@@ -526,6 +617,8 @@ def plan(
     gpu_memory: int | None = None,
     host_memory: int | None = None,
     headroom: float = DEFAULT_HEADROOM,
+    resident: Resident = None,
+    bandwidth: float | None = None,
 ) -> MemoryPlan:
     """Bytes per GPU and per node for training ``model`` with and without OffloadAdamW.
 
@@ -546,6 +639,13 @@ def plan(
         gpu_memory, host_memory: bytes of one GPU and of one node's RAM; default: this
             machine's (GPU memory unknown without a GPU).
         headroom: share of each memory that "fits" leaves free for what is not modelled.
+        resident: as OffloadAdamW's, on each GPU: a share of its state, bytes, or ``"auto"``
+            (needs ``gpu_memory``: what is left of the GPU's ``1 - headroom`` after the plan's
+            usage and "auto"'s margin; the optimizer measures free memory instead). Whole
+            parameters in their order, each kept if it fits what is left, as the optimizer
+            chooses; the rest is copied to the GPU and back at every step.
+        bandwidth: GB/s per direction of one GPU's link (PCIe), to turn the bytes copied per
+            step into seconds in the text output (arithmetic, not a measurement).
 
     Example:
         >>> p = plan(7 * 10**9, precision="bf16-true", gpus=8, strategy="fsdp2",
@@ -558,6 +658,8 @@ def plan(
         3500000000
         >>> p.offload.fits_gpu, p.offload.fits_host
         (True, True)
+        >>> p.copied_bytes  # nothing resident: all of it to the GPU and back at every step
+        10500000000
     """
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
@@ -573,10 +675,22 @@ def plan(
             _positive_int(name, value)
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+    resident = check_resident(resident)
+    if bandwidth is not None and (
+        isinstance(bandwidth, bool)
+        or not isinstance(bandwidth, (int, float))
+        or not 0 < bandwidth < math.inf
+    ):
+        raise ValueError(f"bandwidth must be a positive number of GB/s, got {bandwidth!r}")
     if gpu_memory is None:
         gpu_memory = gpu_memory_here()
     if host_memory is None:
         host_memory = host_memory_here()
+    if resident == "auto" and gpu_memory is None:
+        raise ValueError(
+            "resident='auto' needs the GPU's memory, unknown here (no GPU): pass gpu_memory "
+            "(--gpu-memory)"
+        )
 
     spec = _load_model(model, PRECISIONS[precision] if precision else None)
     params = spec.params
@@ -597,6 +711,9 @@ def plan(
             amsgrad,
             bound,
             pin_memory,
+            resident,
+            gpu_memory,
+            headroom,
         )
         for rank in (range(gpus) if sharded else [0])  # DDP ranks are all alike
     ]
@@ -624,6 +741,8 @@ def plan(
         gpu_memory=gpu_memory,
         host_memory=host_memory,
         headroom=headroom,
+        resident=resident,
+        bandwidth=bandwidth,
         adamw=footprint(0),
         offload=footprint(1),
         rank_state_bytes=tuple(r[2] for r in per_rank),
@@ -654,6 +773,26 @@ def _parse_bytes(text: str) -> int:
     if match is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (say 80GB, 141GiB or 8e10)")
     return int(float(match[1]) * _UNITS[match[2] or ""])
+
+
+def _parse_resident(text: str) -> float | int | str:
+    """``auto``, a share (``0.5``, ``50%``) or a size (``20GB``, ``2e10``), as ``resident``."""
+    text = text.strip().lower()
+    if text == "auto":
+        return text
+    try:
+        if text.endswith("%"):
+            return float(text[:-1]) / 100
+        if re.fullmatch(r"[0-9]*\.[0-9]*", text):  # a share has a decimal point
+            return float(text)
+    except ValueError:
+        pass
+    try:
+        return _parse_bytes(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"not a resident share or size: {text!r} (say auto, 0.5, 50% or 20GB)"
+        ) from None
 
 
 def _parse_model(text: str) -> int | str:
@@ -705,6 +844,15 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
         "--host-memory", type=_parse_bytes, help="RAM of one node (default: this machine's)"
     )
     parser.add_argument(
+        "--resident",
+        type=_parse_resident,
+        help="OffloadAdamW's resident state per GPU: a share (0.5 or 50%%), a size (20GB) or "
+        "auto (needs the GPU's memory)",
+    )
+    parser.add_argument(
+        "--bandwidth", type=float, help="GB/s per direction of a GPU's link, for copy times"
+    )
+    parser.add_argument(
         "--headroom",
         type=float,
         default=DEFAULT_HEADROOM,
@@ -725,6 +873,8 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
             gpu_memory=args.gpu_memory,
             host_memory=args.host_memory,
             headroom=args.headroom,
+            resident=args.resident,
+            bandwidth=args.bandwidth,
         )
     except (ValueError, TypeError) as error:
         parser.error(str(error))

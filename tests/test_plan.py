@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from types import SimpleNamespace
 
@@ -15,6 +16,8 @@ from lightning_offload_optim.host_state import registered_empty
 from lightning_offload_optim.plan import GB, main, plan
 
 MACHINE = {"gpu_memory": 80 * GB, "host_memory": 1000 * GB}
+#: The module (``lightning_offload_optim.plan`` names the function once the package is imported).
+plan_module = importlib.import_module("lightning_offload_optim.plan")
 
 #: Llama-2 sizes: (hidden, intermediate, layers, attention heads, key-value heads), parameters.
 LLAMA_2 = {
@@ -142,6 +145,96 @@ def test_pinned_host_bytes_are_page_rounded_buffers():
     assert planned.memory_stats()["host_bytes"] == 2 * buffer.untyped_storage().nbytes()
     assert planned.memory_stats()["pinned"] is True
     assert planned.state_bytes == 8 * numel
+
+
+def stepped_resident(model: nn.Module, steps: int, **options) -> OffloadAdamW:
+    """OffloadAdamW after ``steps`` real steps (resident state is chosen at the second)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = OffloadAdamW(params, pin_memory=False, force_staging=True, **options)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("resident", [0.0, 0.3, 0.7, 1.0, 3000], ids=lambda r: f"resident={r!r}")
+@pytest.mark.parametrize("chunk_size", [128, 1 << 22])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["mixed", "bf16"])
+def test_resident_state_and_copies_match_real_steps(resident, chunk_size, dtype):
+    """From the second step on, the resident bytes are the optimizer's, and every later step
+    copies the rest to the device and back, as the step's own record counts it."""
+    model = mixed_model() if dtype is None else mixed_model().to(dtype)
+    expected = plan(model, resident=resident, chunk_size=chunk_size, pin_memory=False, **MACHINE)
+    opt = stepped_resident(model, 3, resident=resident, chunk_size=chunk_size)
+    assert expected.memory_stats() == opt.memory_stats()
+    moved = opt.last_step.resolve()
+    assert expected.copied_bytes == moved.bytes_in == moved.bytes_out
+    assert expected.offload.gpu.device_state == expected.resident_bytes
+    assert expected.state_bytes == expected.resident_bytes + expected.copied_bytes
+
+
+def test_resident_keeps_whole_parameters_in_order_by_hand():
+    """fp32 state is 8 B per element: 8000 (weight 1), 800 (bias 1), 8000 (weight 2) and 80 B
+    (bias 2). Each is kept if it fits in what is left, so a large one is passed over for a
+    smaller one after it."""
+    model = nn.Sequential(nn.Linear(10, 100), nn.Linear(100, 10))
+    by_bytes = plan(model, resident=9000, pin_memory=False, **MACHINE)
+    assert by_bytes.resident_bytes == 8000 + 800 + 80  # weight 2 does not fit the 200 left
+    assert by_bytes.copied_bytes == 8000
+    half = plan(model, resident=0.5, pin_memory=False, **MACHINE)  # a budget of 8440 B
+    assert half.resident_bytes == 8000 + 80  # bias 1 (800 B) does not fit the 440 left
+    none = plan(model, pin_memory=False, **MACHINE)
+    assert half.offload.gpu.device - none.offload.gpu.device == 8080  # on the GPU, once
+    assert half.offload.gpu.host_state == none.offload.gpu.host_state  # the host keeps it all
+    assert plan(model, resident=1.0, **MACHINE).copied_bytes == 0
+    assert plan(model, **MACHINE).copied_bytes == plan(model, **MACHINE).state_bytes == 16880
+    single = plan(8 * 10**6, resident=0.99, **MACHINE)  # one parameter, larger than the budget
+    assert single.resident_bytes == 0 and single.copied_bytes == 64 * 10**6
+
+
+def test_resident_auto_takes_what_headroom_and_margin_leave_by_hand():
+    """One bf16 parameter of 8e6 elements: 16 MB of weights, 16 MB of gradients, two staging
+    sets of 4 fp32 keys (moments, master copy, gradient scratch) of 4 Mi elements, and 96 MB of
+    state. "auto" gets 90% of the GPU less that usage and its margin: 10% of the GPU, and at
+    least 2 GiB."""
+    common = {"precision": "bf16-true", "resident": "auto", "host_memory": 1000 * GB}
+    usage = 32 * 10**6 + 2 * 4 * 4 * (1 << 22)
+    roomy = plan(8 * 10**6, gpu_memory=100 * GB, **common)  # budget 90e9 - usage - 10e9
+    assert roomy.offload.gpu.device == usage + 96 * 10**6
+    assert roomy.resident_bytes == 96 * 10**6 and roomy.copied_bytes == 0
+    floor = 2 << 30  # the margin's floor decides below 20 GB of GPU
+    fits = 96 * 10**6 + usage + floor
+    just = plan(8 * 10**6, gpu_memory=-(-fits * 10 // 9), **common)
+    assert just.resident_bytes == 96 * 10**6
+    short = plan(8 * 10**6, gpu_memory=-(-fits * 10 // 9) - 10, **common)
+    assert short.resident_bytes == 0 and short.copied_bytes == 96 * 10**6
+    tight = plan(8 * 10**6, gpu_memory=3 * GB, headroom=0.5, **common)  # 1.5e9 - usage < 2 GiB
+    assert tight.resident_bytes == 0
+
+
+def test_resident_counts_on_the_gpu_and_in_fits():
+    seven = {"precision": "bf16-true", "gpu_memory": 80 * GB, "host_memory": 1000 * GB}
+    auto = plan("7b", resident="auto", **seven)
+    assert 0 < auto.resident_bytes < auto.state_bytes  # 80.9 GB of state: part of it fits
+    assert auto.offload.fits_gpu is True
+    assert auto.offload.gpu.device <= 0.9 * 80 * GB - 8 * GB  # the margin stays free
+    everything = plan("7b", resident=1.0, **seven)
+    assert everything.resident_bytes == everything.state_bytes
+    assert everything.offload.fits_gpu is False  # 27 GB of weights and gradients + 80.9 GB
+    assert everything.offload.gpu.host_state == auto.offload.gpu.host_state  # host holds all
+
+
+def test_resident_per_fsdp2_rank_and_node():
+    """37 rows over 2 ranks: 19 and 18 rows of fp32 state, each rank keeping its own shard."""
+    whole = plan(37, strategy="fsdp2", gpus=2, resident=1.0, pin_memory=False, **MACHINE)
+    assert [whole.memory_stats(r)["resident_bytes"] for r in range(2)] == [19 * 8, 18 * 8]
+    assert whole.offload.node.device_state == 37 * 8 and whole.node_copied_bytes == 0
+    budget = plan(37, strategy="fsdp2", gpus=2, resident=150, pin_memory=False, **MACHINE)
+    assert [budget.memory_stats(r)["resident_bytes"] for r in range(2)] == [0, 18 * 8]
+    assert budget.node_copied_bytes == budget.copied_bytes == 19 * 8
+    ddp = plan(37, gpus=4, resident=150, pin_memory=False, **MACHINE)  # each rank all 37 rows
+    assert ddp.resident_bytes == 0 and ddp.node_copied_bytes == 4 * 37 * 8
 
 
 # ------------------------------------------------------------------ models and configs
@@ -317,9 +410,16 @@ def test_exported_from_the_package():
         ({**TINY, "head_dim": 0}, {}, "has a size below 1"),
         ({"vocab_size": 10, "hidden_size": 8}, {}, "lacks intermediate_size, num_hidden_layers"),
         ("8b", {}, "neither a preset"),
+        (10, {"resident": -1}, "resident as a number of bytes must be >= 0"),
+        (10, {"resident": 1.5}, r"resident as a share of the state must be in \[0, 1\]"),
+        (10, {"resident": "auto", "gpu_memory": None}, "resident='auto' needs the GPU's memory"),
+        (10, {"bandwidth": 0}, "bandwidth must be a positive number of GB/s"),
+        (10, {"bandwidth": True}, "bandwidth must be a positive number of GB/s"),
+        (10, {"bandwidth": float("nan")}, "bandwidth must be a positive number of GB/s"),
     ],
 )
-def test_bad_input_is_refused(model, options, message):
+def test_bad_input_is_refused(model, options, message, monkeypatch):
+    monkeypatch.setattr(plan_module, "gpu_memory_here", lambda: None)  # as without a GPU
     with pytest.raises(ValueError, match=message):
         plan(model, **{**MACHINE, **options})
 
@@ -327,6 +427,8 @@ def test_bad_input_is_refused(model, options, message):
 def test_a_non_model_is_refused():
     with pytest.raises(TypeError, match=r"give a count, a config or an nn\.Module"):
         plan(True, **MACHINE)
+    with pytest.raises(TypeError, match="resident must be a share of the state"):
+        plan(10, resident="half", **MACHINE)
 
 
 # ------------------------------------------------------------------ CLI
@@ -350,3 +452,22 @@ def test_cli_takes_counts_and_refuses_bad_input(capsys):
     assert "gpus must be an int of at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["7.5"])  # not truncated to 7 parameters
+
+
+def test_cli_plans_resident_state_and_copy_times(capsys):
+    common = ["7b", "--precision", "bf16-true", "--gpu-memory", "80GB", "--host-memory", "1TB"]
+    for text, value in (("50%", 0.5), ("0.5", 0.5), ("1.0", 1.0), ("20GB", 20 * GB)):
+        assert main([*common, "--resident", text]).resident == value
+    assert main([*common, "--resident", "1"]).resident == 1  # one byte, as OffloadAdamW's int
+    capsys.readouterr()
+    result = main([*common, "--resident", "auto", "--bandwidth", "50"])
+    out = " ".join(capsys.readouterr().out.split())
+    seconds = result.copied_bytes / GB / 50
+    assert f"keeps {result.resident_bytes / GB:.2f} GB of state on each GPU" in out
+    assert f"copies the other {result.copied_bytes / GB:.2f} GB" in out
+    assert f"about {seconds:.3g} s each way at 50 GB/s per direction" in out
+    row = next(line for line in out.split("state copied per step, 1 way")[1:2])
+    assert row.split()[2] == f"{result.copied_bytes / GB:.2f}"
+    with pytest.raises(SystemExit):
+        main([*common, "--resident", "half"])
+    assert "not a resident share or size: 'half'" in capsys.readouterr().err
