@@ -144,6 +144,15 @@ def configs(sizes: list[str]) -> list[Config]:
     return [Config(s, p, q, 8192, o) for s, p, q in order if s in sizes for o in OPTIMIZERS]
 
 
+def empty_host_cache() -> None:
+    """Free the pinned blocks torch's caching host allocator keeps (private API, named
+    differently across versions; a missing one must not stop the benchmark)."""
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        if (empty := getattr(torch._C, name, None)) is not None:
+            empty()
+            return
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -247,7 +256,7 @@ def main() -> None:
             gc.collect()  # the last configuration's host state (tens of GB) goes first
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
-                torch._C._host_emptyCache()  # torchao's pinned buffers, cached by torch
+                empty_host_cache()  # torchao's pinned buffers, cached by torch
         if row is None:
             continue
         rows.append(row)
