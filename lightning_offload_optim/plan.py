@@ -172,6 +172,7 @@ class MemoryPlan:
     offload: Footprint  # OffloadAdamW: state in host RAM, the resident share also on the GPU
     rank_state_bytes: tuple[int, ...]  # OffloadAdamW's logical state, per rank of node 0
     rank_offload: tuple[Usage, ...]  # OffloadAdamW's usage, per rank of node 0 (DDP: one)
+    node_state_bytes: int  # OffloadAdamW's logical state, all ranks of node 0
 
     @property
     def state_bytes(self) -> int:
@@ -185,20 +186,22 @@ class MemoryPlan:
 
     @property
     def copied_bytes(self) -> int:
-        """State rank 0 copies to its GPU at each step, and as much back: all of it that is
-        not resident."""
+        """State rank 0 copies to its GPU and as much back at each step from the third on: all
+        of it that is not resident. (The first step moves all of it both ways, and so does the
+        first after a checkpoint: the resident part is written back for it and loaded again;
+        the second step also loads the resident part, chosen then.)"""
         return self.state_bytes - self.resident_bytes
 
     @property
     def node_copied_bytes(self) -> int:
-        """State node 0's GPUs copy from its RAM at each step, all together (and as much back)."""
-        ranks = 1 if self.strategy == "fsdp2" else self.gpus  # DDP: one rank stands for all
-        return sum(self.rank_state_bytes) * ranks - self.offload.node.device_state
+        """:attr:`copied_bytes` of all of node 0's GPUs together."""
+        return self.node_state_bytes - self.offload.node.device_state
 
     def memory_stats(self, rank: int = 0) -> dict[str, int | bool]:
         """What ``OffloadAdamW.memory_stats()`` should report on ``rank`` (of node 0) after the
         first step over every trainable parameter (with ``resident``, after the second: the
-        resident state is chosen then)."""
+        resident state is chosen then; for ``"auto"`` an estimate, since the optimizer
+        measures the free memory)."""
         index = rank if self.strategy == "fsdp2" else 0
         if not 0 <= rank < self.gpus:
             raise ValueError(f"the plan holds node 0's ranks, 0 to {self.gpus - 1}; got {rank}")
@@ -293,16 +296,19 @@ class MemoryPlan:
     def _copy_note(self) -> str:
         """What each step copies over a GPU's link, and what stays resident."""
         copied = f"{self.copied_bytes / GB:.2f} GB"
+        gpu = "rank 0's GPU (the largest shard)" if self.strategy == "fsdp2" else "each GPU"
         if self.resident is None:
-            note = f"OffloadAdamW copies all of its state, {copied} per GPU, to the GPU and back"
+            note = f"OffloadAdamW copies all of its state, {copied} on {gpu}, to the GPU and back"
         else:
-            share = "auto" if self.resident == "auto" else f"{self.resident!r}"
+            asked = self.resident
+            if isinstance(asked, int):
+                asked = f"{asked / GB:.2f} GB"
             note = (
-                f"OffloadAdamW with resident={share} keeps {self.resident_bytes / GB:.2f} GB of "
-                f"state on each GPU (whole parameters, in their order); it copies the other "
+                f"OffloadAdamW with resident={asked} keeps {self.resident_bytes / GB:.2f} GB of "
+                f"state on {gpu} (whole parameters, in their order); it copies the other "
                 f"{copied} to the GPU and back"
             )
-        note += " at every step"
+        note += " at each step from the third on (the first two also move the resident part)"
         if self.bandwidth is not None:
             seconds = self.copied_bytes / GB / self.bandwidth
             note += (
@@ -450,21 +456,24 @@ def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:
 
 # ------------------------------------------------------------------------------ arithmetic
 #: The device of every planned arena: a rank has one GPU.
-_RANK_GPU = "the rank's GPU"
+_RANK_GPU = torch.device("cuda")
 
 
 @dataclass(eq=False)
 class _PlannedArena:
     """What :func:`~lightning_offload_optim.pipeline.plan_chunks` and
-    :func:`~lightning_offload_optim.resident.choose_resident` read of an arena."""
+    :func:`~lightning_offload_optim.resident.choose_resident` read of an arena, and the slots
+    laid out in it."""
 
-    bytes_per_element: int  # the state dtype's size times the state keys
-    # None at the first step, which sizes the staging buffers.
-    resident: ResidentRanges = field(default_factory=ResidentRanges)
-    device: str = _RANK_GPU
+    dtype: torch.dtype  # of the state
+    keys: tuple[str, ...]
+    slots: list[_PlannedSlot] = field(default_factory=list)
+    numel: int = 0  # of its slots, one after another
+    resident: ResidentRanges = field(default_factory=ResidentRanges)  # set once chosen
+    device: torch.device = _RANK_GPU
 
     def state_bytes(self, numel: int) -> int:
-        return numel * self.bytes_per_element
+        return numel * self.dtype.itemsize * len(self.keys)
 
 
 @dataclass(frozen=True)
@@ -483,43 +492,39 @@ def _host_buffer_bytes(nbytes: int, pinned: bool) -> int:
     return -(-nbytes // PAGE_SIZE) * PAGE_SIZE
 
 
-def _offload_usage(
-    local: Sequence[tuple[_Param, int]], amsgrad: bool, bound: int, pin: bool
-) -> tuple[int, int, int, list[_PlannedSlot]]:
-    """OffloadAdamW on one rank: logical state bytes, host bytes, staging bytes, and the host
-    slots of the parameters in their order.
-
-    ``local`` pairs each trainable parameter with the elements of it this rank updates. Arenas
-    and staging buffers follow HostState.allocate and StagingPipeline.prepare (the largest
-    chunk the pipeline's own planner cuts, per state key)."""
-    kinds: dict[torch.dtype, tuple] = {}
-    arenas: dict[tuple, tuple[_PlannedArena, list[_PlannedSlot]]] = {}
+def _lay_out(
+    local: Sequence[tuple[_Param, int]], amsgrad: bool
+) -> tuple[list[_PlannedArena], list[_PlannedSlot]]:
+    """OffloadAdamW's arenas on one rank (as HostState.allocate lays them out), and the slots
+    of the parameters in their order. ``local`` pairs each trainable parameter with the
+    elements of it this rank updates."""
+    arenas: dict[torch.dtype, _PlannedArena] = {}
     slots = []
     for param, numel in local:
-        if param.dtype not in kinds:
+        if param.dtype not in arenas:
             probe = torch.empty(0, dtype=param.dtype, device="meta")
-            kinds[param.dtype] = (
-                state_dtype(probe),
-                state_keys(probe, amsgrad),
-                probe.is_complex(),
-            )
-        dtype, keys, _ = kind = kinds[param.dtype]
-        arena, members = arenas.setdefault(kind, (_PlannedArena(dtype.itemsize * len(keys)), []))
-        offset = members[-1].offset + members[-1].layout.numel if members else 0
+            arenas[param.dtype] = _PlannedArena(state_dtype(probe), state_keys(probe, amsgrad))
+        arena = arenas[param.dtype]
         real = numel * (2 if param.dtype.is_complex else 1)
-        members.append(_PlannedSlot(arena, offset, _Param((real,), dtype)))
-        slots.append(members[-1])
-    state = host = 0
-    staging: dict[tuple[torch.dtype, str], int] = {}
-    for (dtype, keys, _), (arena, members) in arenas.items():
-        numel = sum(slot.layout.numel for slot in members)
-        state += arena.state_bytes(numel)
-        host += _host_buffer_bytes(numel * dtype.itemsize, pin) * len(keys)
-        largest = max((chunk.numel for chunk in plan_chunks(members, bound)), default=0)
-        for key in (*keys, GRAD_KEY) if MASTER_KEY in keys else keys:
-            staging[dtype, key] = max(staging.get((dtype, key), 0), largest)
-    staged = STAGING_SETS * sum(numel * dtype.itemsize for (dtype, _), numel in staging.items())
-    return state, host, staged, slots
+        slots.append(_PlannedSlot(arena, arena.numel, _Param((real,), arena.dtype)))
+        arena.slots.append(slots[-1])
+        arena.numel += real
+    return list(arenas.values()), slots
+
+
+def _grow_staging(
+    sizes: dict[tuple[torch.dtype, str], int], arenas: Sequence[_PlannedArena], bound: int
+) -> int:
+    """Grow ``sizes`` (elements per state dtype and key) to the chunks a step of ``arenas``
+    cuts, as StagingPipeline.prepare grows its buffers (never shrinking them): state keys for
+    the chunks it stages, a gradient scratch for every chunk with a master copy. Returns the
+    bytes of the staging sets."""
+    for arena in arenas:
+        for chunk in plan_chunks(arena.slots, bound):
+            keys = () if chunk.resident else arena.keys
+            for key in (*keys, GRAD_KEY) if MASTER_KEY in arena.keys else keys:
+                sizes[arena.dtype, key] = max(sizes.get((arena.dtype, key), 0), chunk.numel)
+    return STAGING_SETS * sum(numel * dtype.itemsize for (dtype, _), numel in sizes.items())
 
 
 def _resident_budget(
@@ -563,13 +568,24 @@ def _rank_usages(
             grads += stored_rows * per_row * itemsize
             adamw_state += local_rows * per_row * itemsize * (3 if amsgrad else 2)
             trainable.append((param, local_rows * per_row))
-    state, host, staging, slots = _offload_usage(trainable, amsgrad, bound, pin)
+    arenas, slots = _lay_out(trainable, amsgrad)
+    state = sum(arena.state_bytes(arena.numel) for arena in arenas)
+    host = sum(
+        _host_buffer_bytes(arena.numel * arena.dtype.itemsize, pin) * len(arena.keys)
+        for arena in arenas
+    )
+    sizes: dict[tuple[torch.dtype, str], int] = {}
+    staging = _grow_staging(sizes, arenas, bound)  # the first step: nothing resident yet
     adamw = Usage(stored, grads, unsharded, adamw_state, 0, 0)
     offload = Usage(stored, grads, unsharded, 0, staging, host)
     budget = _resident_budget(resident, state, offload.device, gpu_memory, headroom)
-    chosen = choose_resident(slots, {_RANK_GPU: budget})
-    kept = sum(arena.state_bytes(ranges.numel) for arena, ranges in chosen.items())
-    return adamw, replace(offload, device_state=kept), state
+    kept = 0
+    for arena, ranges in choose_resident(slots, {_RANK_GPU: budget}).items():
+        arena.resident = ranges
+        kept += arena.state_bytes(ranges.numel)
+    # From the second step on, chunks also end where resident ranges start or stop.
+    staging = _grow_staging(sizes, arenas, bound)
+    return adamw, replace(offload, device_state=kept, staging=staging), state
 
 
 def _shard_rows(param: _Param, rank: int, world: int) -> tuple[int, int]:
@@ -643,7 +659,7 @@ def plan(
             (needs ``gpu_memory``: what is left of the GPU's ``1 - headroom`` after the plan's
             usage and "auto"'s margin; the optimizer measures free memory instead). Whole
             parameters in their order, each kept if it fits what is left, as the optimizer
-            chooses; the rest is copied to the GPU and back at every step.
+            chooses; the rest is copied to the GPU and back at each step.
         bandwidth: GB/s per direction of one GPU's link (PCIe), to turn the bytes copied per
             step into seconds in the text output (arithmetic, not a measurement).
 
@@ -747,6 +763,7 @@ def plan(
         offload=footprint(1),
         rank_state_bytes=tuple(r[2] for r in per_rank),
         rank_offload=tuple(r[1] for r in per_rank),
+        node_state_bytes=sum(r[2] for r in per_rank) * copies,
     )
 
 
@@ -769,30 +786,36 @@ _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def _parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?b)?\s*", text.lower())
+    number = r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?"
+    match = re.fullmatch(rf"\s*({number})\s*([kmgt]i?b)?\s*", text.lower())
     if match is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (say 80GB, 141GiB or 8e10)")
     return int(float(match[1]) * _UNITS[match[2] or ""])
 
 
 def _parse_resident(text: str) -> float | int | str:
-    """``auto``, a share (``0.5``, ``50%``) or a size (``20GB``, ``2e10``), as ``resident``."""
+    """``auto``, a share (``0.5``, ``50%``) or a size (``20GB``, ``2e10``), as ``resident``.
+    A bare number below 1024 is refused: ``1`` is one byte, and more likely meant all."""
     text = text.strip().lower()
+    hint = "say auto, a share such as 0.5 or 50%, or a size such as 20GB"
     if text == "auto":
         return text
     try:
         if text.endswith("%"):
             return float(text[:-1]) / 100
-        if re.fullmatch(r"[0-9]*\.[0-9]*", text):  # a share has a decimal point
+        if "." in text or "e-" in text:  # a share has a decimal point (or is below 1)
             return float(text)
-    except ValueError:
-        pass
-    try:
-        return _parse_bytes(text)
-    except argparse.ArgumentTypeError:
+        size = _parse_bytes(text)
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(
-            f"not a resident share or size: {text!r} (say auto, 0.5, 50% or 20GB)"
+            f"not a resident share or size: {text!r} ({hint})"
         ) from None
+    if 0 < size < 1024 and text.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"resident {text} would be {size} byte(s): write a share with its decimal point "
+            "(1.0 is all of the state) or as a percentage, or a size with its unit"
+        )
+    return size
 
 
 def _parse_model(text: str) -> int | str:

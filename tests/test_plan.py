@@ -174,6 +174,23 @@ def test_resident_state_and_copies_match_real_steps(resident, chunk_size, dtype)
     assert expected.state_bytes == expected.resident_bytes + expected.copied_bytes
 
 
+def test_staging_grows_where_resident_ranges_cut_the_chunks():
+    """A resident parameter of 3 elements before one of 128: from the second step a chunk
+    starts after it and holds all 128 (the first step's chunks were 128 and 3), so staging
+    grows to 128 elements per key, and buffers never shrink."""
+    model = nn.Module()
+    model.small = nn.Parameter(torch.randn(3))
+    model.large = nn.Parameter(torch.randn(128))
+    expected = plan(model, resident=24, chunk_size=128, pin_memory=False, **MACHINE)
+    first = plan(model, chunk_size=128, pin_memory=False, **MACHINE)
+    assert expected.resident_bytes == 24
+    assert expected.offload.gpu.staging == 2 * 2 * 128 * 4 > first.offload.gpu.staging
+    assert (
+        expected.memory_stats()
+        == stepped_resident(model, 3, resident=24, chunk_size=128).memory_stats()
+    )
+
+
 def test_resident_keeps_whole_parameters_in_order_by_hand():
     """fp32 state is 8 B per element: 8000 (weight 1), 800 (bias 1), 8000 (weight 2) and 80 B
     (bias 2). Each is kept if it fits in what is left, so a large one is passed over for a
@@ -458,8 +475,15 @@ def test_cli_plans_resident_state_and_copy_times(capsys):
     common = ["7b", "--precision", "bf16-true", "--gpu-memory", "80GB", "--host-memory", "1TB"]
     for text, value in (("50%", 0.5), ("0.5", 0.5), ("1.0", 1.0), ("20GB", 20 * GB)):
         assert main([*common, "--resident", text]).resident == value
-    assert main([*common, "--resident", "1"]).resident == 1  # one byte, as OffloadAdamW's int
+    assert main([*common, "--resident", "1500"]).resident == 1500  # bytes, as an int in Python
+    assert main([*common, "--resident", "0"]).resident == 0
     capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*common, "--resident", "1"])  # one byte: more likely meant all of it
+    assert "resident 1 would be 1 byte(s)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*common, "--resident", "-0.1"])
+    assert "resident as a share of the state must be in [0, 1]" in capsys.readouterr().err
     result = main([*common, "--resident", "auto", "--bandwidth", "50"])
     out = " ".join(capsys.readouterr().out.split())
     seconds = result.copied_bytes / GB / 50
