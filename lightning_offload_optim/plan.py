@@ -498,13 +498,21 @@ def _lay_out(
     """OffloadAdamW's arenas on one rank (as HostState.allocate lays them out), and the slots
     of the parameters in their order. ``local`` pairs each trainable parameter with the
     elements of it this rank updates."""
-    arenas: dict[torch.dtype, _PlannedArena] = {}
+    kinds: dict[torch.dtype, tuple] = {}
+    arenas: dict[tuple, _PlannedArena] = {}  # by state dtype, keys and realness, as HostState
     slots = []
     for param, numel in local:
-        if param.dtype not in arenas:
+        if param.dtype not in kinds:
             probe = torch.empty(0, dtype=param.dtype, device="meta")
-            arenas[param.dtype] = _PlannedArena(state_dtype(probe), state_keys(probe, amsgrad))
-        arena = arenas[param.dtype]
+            kinds[param.dtype] = (
+                state_dtype(probe),
+                state_keys(probe, amsgrad),
+                probe.is_complex(),
+            )
+        kind = kinds[param.dtype]
+        if kind not in arenas:
+            arenas[kind] = _PlannedArena(*kind[:2])
+        arena = arenas[kind]
         real = numel * (2 if param.dtype.is_complex else 1)
         slots.append(_PlannedSlot(arena, arena.numel, _Param((real,), arena.dtype)))
         arena.slots.append(slots[-1])

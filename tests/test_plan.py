@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -117,15 +118,20 @@ def test_memory_stats_match_a_real_step(amsgrad, chunk_size, dtype):
     )
 
 
-def test_memory_stats_match_with_complex_and_double_parameters():
+@pytest.mark.parametrize("resident", [None, 0.5])
+def test_memory_stats_match_with_complex_double_and_16_bit_parameters(resident):
     """Complex parameters get arenas of their own (real views, twice the elements); fp64 ones
-    keep fp64 state."""
+    keep fp64 state; bf16 and fp16 ones share one arena (fp32 state with a master copy)."""
     model = nn.Module()
     model.a = nn.Parameter(torch.randn(37, 5, dtype=torch.complex64))
     model.b = nn.Parameter(torch.randn(100))
     model.c = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
-    expected = plan(model, chunk_size=64, pin_memory=False, **MACHINE)
-    assert expected.memory_stats() == stepped(model, chunk_size=64).memory_stats()
+    model.d = nn.Parameter(torch.randn(70, dtype=torch.float16))  # one chunk of 120 with e
+    model.e = nn.Parameter(torch.randn(50, dtype=torch.bfloat16))
+    expected = plan(model, chunk_size=128, resident=resident, pin_memory=False, **MACHINE)
+    opt = stepped_resident(model, 3, chunk_size=128, resident=resident)
+    assert expected.memory_stats() == opt.memory_stats()
+    assert len(opt._host.arenas) == 4
 
 
 def test_precision_recasts_a_module_like_lightning():
@@ -172,6 +178,29 @@ def test_resident_state_and_copies_match_real_steps(resident, chunk_size, dtype)
     assert expected.copied_bytes == moved.bytes_in == moved.bytes_out
     assert expected.offload.gpu.device_state == expected.resident_bytes
     assert expected.state_bytes == expected.resident_bytes + expected.copied_bytes
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_models_plan_as_the_optimizer_steps(seed):
+    """Random mixes of parameter dtypes (16-bit ones sharing an arena, complex and fp64 ones in
+    their own), shapes, frozen parameters, amsgrad, chunk sizes and resident budgets."""
+    rng = random.Random(seed)
+    model = nn.Module()
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64]
+    for i in range(rng.randint(1, 6)):
+        shape = [rng.randint(1, 300)] if rng.random() < 0.6 else [rng.randint(1, 40)] * 2
+        param = nn.Parameter(torch.randn(shape, dtype=rng.choice(dtypes)))
+        setattr(model, f"p{i}", param.requires_grad_(i == 0 or rng.random() < 0.9))
+    options = {
+        "chunk_size": rng.choice([64, 128, 256, 1000, 1 << 22]),
+        "resident": rng.choice([None, 0.0, rng.random(), 1.0, rng.randint(0, 20000)]),
+        "amsgrad": rng.random() < 0.3,
+    }
+    expected = plan(model, pin_memory=False, **options, **MACHINE)
+    opt = stepped_resident(model, 3, **options)
+    assert expected.memory_stats() == opt.memory_stats()
+    moved = opt.last_step.resolve()
+    assert expected.copied_bytes == moved.bytes_in == moved.bytes_out
 
 
 def test_staging_grows_where_resident_ranges_cut_the_chunks():
