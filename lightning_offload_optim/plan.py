@@ -298,7 +298,10 @@ class MemoryPlan:
         copied = f"{self.copied_bytes / GB:.2f} GB"
         gpu = "rank 0's GPU (the largest shard)" if self.strategy == "fsdp2" else "each GPU"
         if self.resident is None:
-            note = f"OffloadAdamW copies all of its state, {copied} on {gpu}, to the GPU and back"
+            note = (
+                f"OffloadAdamW copies all of its state, {copied} on {gpu}, to the GPU and back "
+                "at every step"
+            )
         else:
             asked = self.resident
             if isinstance(asked, int):
@@ -306,9 +309,9 @@ class MemoryPlan:
             note = (
                 f"OffloadAdamW with resident={asked} keeps {self.resident_bytes / GB:.2f} GB of "
                 f"state on {gpu} (whole parameters, in their order); it copies the other "
-                f"{copied} to the GPU and back"
+                f"{copied} to the GPU and back at each step from the third on (the first two "
+                "also move the resident part)"
             )
-        note += " at each step from the third on (the first two also move the resident part)"
         if self.bandwidth is not None:
             seconds = self.copied_bytes / GB / self.bandwidth
             note += (
