@@ -93,13 +93,15 @@ def mixed_model() -> nn.Module:
     return model
 
 
-def stepped(model: nn.Module, **options) -> OffloadAdamW:
-    """OffloadAdamW after one real step over every trainable parameter, staged as on a GPU."""
+def stepped(model: nn.Module, steps: int = 1, **options) -> OffloadAdamW:
+    """OffloadAdamW after ``steps`` real steps over every trainable parameter, staged as on a
+    GPU (resident state is chosen at the second)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.randn_like(p)
     opt = OffloadAdamW(params, pin_memory=False, force_staging=True, **options)
-    opt.step()
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
     return opt
 
 
@@ -129,7 +131,7 @@ def test_memory_stats_match_with_complex_double_and_16_bit_parameters(resident):
     model.d = nn.Parameter(torch.randn(70, dtype=torch.float16))  # one chunk of 120 with e
     model.e = nn.Parameter(torch.randn(50, dtype=torch.bfloat16))
     expected = plan(model, chunk_size=128, resident=resident, pin_memory=False, **MACHINE)
-    opt = stepped_resident(model, 3, chunk_size=128, resident=resident)
+    opt = stepped(model, 3, chunk_size=128, resident=resident)
     assert expected.memory_stats() == opt.memory_stats()
     assert len(opt._host.arenas) == 4
 
@@ -153,17 +155,6 @@ def test_pinned_host_bytes_are_page_rounded_buffers():
     assert planned.state_bytes == 8 * numel
 
 
-def stepped_resident(model: nn.Module, steps: int, **options) -> OffloadAdamW:
-    """OffloadAdamW after ``steps`` real steps (resident state is chosen at the second)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = OffloadAdamW(params, pin_memory=False, force_staging=True, **options)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.step()
-    return opt
-
-
 @pytest.mark.parametrize("resident", [0.0, 0.3, 0.7, 1.0, 3000], ids=lambda r: f"resident={r!r}")
 @pytest.mark.parametrize("chunk_size", [128, 1 << 22])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["mixed", "bf16"])
@@ -172,7 +163,7 @@ def test_resident_state_and_copies_match_real_steps(resident, chunk_size, dtype)
     copies the rest to the device and back, as the step's own record counts it."""
     model = mixed_model() if dtype is None else mixed_model().to(dtype)
     expected = plan(model, resident=resident, chunk_size=chunk_size, pin_memory=False, **MACHINE)
-    opt = stepped_resident(model, 3, resident=resident, chunk_size=chunk_size)
+    opt = stepped(model, 3, resident=resident, chunk_size=chunk_size)
     assert expected.memory_stats() == opt.memory_stats()
     moved = opt.last_step.resolve()
     assert expected.copied_bytes == moved.bytes_in == moved.bytes_out
@@ -197,7 +188,7 @@ def test_random_models_plan_as_the_optimizer_steps(seed):
         "amsgrad": rng.random() < 0.3,
     }
     expected = plan(model, pin_memory=False, **options, **MACHINE)
-    opt = stepped_resident(model, 3, **options)
+    opt = stepped(model, 3, **options)
     assert expected.memory_stats() == opt.memory_stats()
     moved = opt.last_step.resolve()
     assert expected.copied_bytes == moved.bytes_in == moved.bytes_out
@@ -214,10 +205,7 @@ def test_staging_grows_where_resident_ranges_cut_the_chunks():
     first = plan(model, chunk_size=128, pin_memory=False, **MACHINE)
     assert expected.resident_bytes == 24
     assert expected.offload.gpu.staging == 2 * 2 * 128 * 4 > first.offload.gpu.staging
-    assert (
-        expected.memory_stats()
-        == stepped_resident(model, 3, resident=24, chunk_size=128).memory_stats()
-    )
+    assert expected.memory_stats() == stepped(model, 3, resident=24, chunk_size=128).memory_stats()
 
 
 def test_resident_keeps_whole_parameters_in_order_by_hand():
@@ -519,8 +507,8 @@ def test_cli_plans_resident_state_and_copy_times(capsys):
     assert f"keeps {result.resident_bytes / GB:.2f} GB of state on each GPU" in out
     assert f"copies the other {result.copied_bytes / GB:.2f} GB" in out
     assert f"about {seconds:.3g} s each way at 50 GB/s per direction" in out
-    row = next(line for line in out.split("state copied per step, 1 way")[1:2])
-    assert row.split()[2] == f"{result.copied_bytes / GB:.2f}"
+    row = out.split("state copied per step, 1 way")[1].split()  # torch's 2 columns, then ours
+    assert row[2] == f"{result.copied_bytes / GB:.2f}"
     with pytest.raises(SystemExit):
         main([*common, "--resident", "half"])
     assert "not a resident share or size: 'half'" in capsys.readouterr().err
