@@ -105,6 +105,14 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
 ChunkUpdate = Callable[[Chunk, dict[str, Tensor]], None]
 
 
+def buffer_keys(chunk: Chunk, stages: bool) -> tuple[str, ...]:
+    """The buffers a chunk needs (:meth:`StagingPipeline.prepare` sizes them, the memory
+    planner counts them): its state keys when its device ``stages`` and it is not resident,
+    and a gradient scratch when the update runs on an fp32 master copy."""
+    keys = chunk.arena.keys if stages and not chunk.resident else ()
+    return (*keys, GRAD_KEY) if MASTER_KEY in chunk.arena.keys else keys
+
+
 @dataclass
 class _Resident:
     """Device buffers holding an arena's resident ranges one after another, per state key."""
@@ -283,11 +291,7 @@ class StagingPipeline:
         return turns
 
     def _staged_keys(self, chunk: Chunk) -> tuple[str, ...]:
-        """The buffers a chunk needs: its state keys when staged (not when resident), and a
-        gradient scratch when the update runs on an fp32 master copy."""
-        staged = self.stages(chunk.arena.device) and not chunk.resident
-        keys = chunk.arena.keys if staged else ()
-        return (*keys, GRAD_KEY) if MASTER_KEY in chunk.arena.keys else keys
+        return buffer_keys(chunk, self.stages(chunk.arena.device))
 
     def run(
         self, chunks: Sequence[Chunk], update: ChunkUpdate, overlap: bool = False

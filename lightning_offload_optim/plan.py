@@ -30,8 +30,8 @@ from torch import nn
 
 from lightning_offload_optim.adamw import DEFAULT_CHUNK_SIZE
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
-from lightning_offload_optim.host_state import MASTER_KEY, PAGE_SIZE, state_dtype, state_keys
-from lightning_offload_optim.pipeline import GRAD_KEY, plan_chunks
+from lightning_offload_optim.host_state import PAGE_SIZE, state_dtype, state_keys
+from lightning_offload_optim.pipeline import buffer_keys, plan_chunks
 from lightning_offload_optim.resident import (
     Resident,
     ResidentRanges,
@@ -532,8 +532,7 @@ def _grow_staging(
     bytes of the staging sets."""
     for arena in arenas:
         for chunk in plan_chunks(arena.slots, bound):
-            keys = () if chunk.resident else arena.keys
-            for key in (*keys, GRAD_KEY) if MASTER_KEY in arena.keys else keys:
+            for key in buffer_keys(chunk, stages=True):  # a GPU's
                 sizes[arena.dtype, key] = max(sizes.get((arena.dtype, key), 0), chunk.numel)
     return STAGING_SETS * sum(numel * dtype.itemsize for (dtype, _), numel in sizes.items())
 
