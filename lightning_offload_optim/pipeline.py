@@ -1,6 +1,7 @@
 """Chunk planning and the staging pipeline that moves state to the parameters' device and back.
 
-A step's state is cut into chunks of at most ``chunk_numel`` elements. Each chunk is one
+A step's state is cut into chunks of at most ``chunk_numel`` elements (a resident parameter
+that needs no buffer is never split, see :func:`plan_chunks`). Each chunk is one
 contiguous range of an arena (so one copy per state key), holding pieces of one or more
 parameters. On an accelerator each chunk is copied into one of a few staging buffers on a copy
 stream, updated on the compute stream, and copied back on a second copy stream; events order the
@@ -69,7 +70,10 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
     ``chunk_numel`` bounds the chunks, for all arenas or per arena. Parameters are taken in
     memory order; a gap (a parameter without a gradient this step) starts a new chunk, so no
     state is moved that is not updated. A parameter larger than the room left is split at a
-    multiple of :data:`SPLIT_ALIGNMENT` from its start.
+    multiple of :data:`SPLIT_ALIGNMENT` from its start, except one whose state is resident in
+    an arena without a master copy: its chunk needs no buffer (:func:`buffer_keys`), so it is
+    never split; one larger than the room left starts a chunk of its own (one update and one
+    event for the parameter, not one per ``chunk_numel`` of it).
     """
     limit = chunk_numel if callable(chunk_numel) else lambda arena: chunk_numel
     order = sorted(range(len(slots)), key=lambda i: (id(slots[i].arena), slots[i].offset))
@@ -78,6 +82,7 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
     for index in order:
         slot = slots[index]
         bound = limit(slot.arena)
+        whole = _needs_no_buffer(slot)
         done = 0
         while done < slot.layout.numel:
             position = slot.offset + done
@@ -90,8 +95,8 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
             )
             room = bound - current.numel if contiguous else 0
             take = slot.layout.numel - done
-            if take > room:
-                take = room - room % SPLIT_ALIGNMENT
+            if take > room and not (whole and contiguous and not current.numel):
+                take = 0 if whole else room - room % SPLIT_ALIGNMENT
             if take <= 0:
                 current = Chunk(slot.arena, position, position)
                 chunks.append(current)
@@ -100,6 +105,14 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
             current.stop += take
             done += take
     return chunks
+
+
+def _needs_no_buffer(slot: Slot) -> bool:
+    """Whether the slot's whole state is resident in an arena without a master copy, so its
+    update reads no staging buffer and no gradient scratch, whatever its size."""
+    stop = slot.offset + slot.layout.numel
+    resident = slot.arena.resident.device_start(slot.offset, stop) is not None
+    return resident and MASTER_KEY not in slot.arena.keys
 
 
 ChunkUpdate = Callable[[Chunk, dict[str, Tensor]], None]

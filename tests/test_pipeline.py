@@ -23,30 +23,46 @@ from conftest import (
 
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
-from lightning_offload_optim.host_state import HostState
+from lightning_offload_optim.host_state import MASTER_KEY, HostState
 from lightning_offload_optim.pipeline import StagingPipeline, plan_chunks
 from lightning_offload_optim.resident import ResidentRanges
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_chunks_cover_each_active_element_once_within_bounds(seed):
+    """Chunks tile the active state in aligned pieces within the bound, each resident or not as
+    a whole. A resident parameter of an arena without a master copy (odd seeds have one) is
+    never split: it needs no staging buffer, and each piece would cost an update and an event."""
     rng = random.Random(seed)
     shapes = [(rng.randint(1, 700),) for _ in range(rng.randint(1, 12))]
     params = make_params(shapes)
     host = HostState(pin_for=lambda device: False)
-    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    master = seed % 2 == 1
+    keys = ("exp_avg", "exp_avg_sq", MASTER_KEY) if master else ("exp_avg", "exp_avg_sq")
+    host.adopt(host.allocate([(p, keys) for p in params]))
+    arena = host.arenas[0]
+    kept = {i for i in range(len(params)) if rng.random() < 0.4}
+    slots = [host.slots[p] for p in params]
+    arena.resident = ResidentRanges.of(
+        (slots[i].offset, slots[i].offset + slots[i].layout.numel) for i in kept
+    )
     active = [i for i in range(len(params)) if rng.random() < 0.7]
     chunk_numel = SPLIT_ALIGNMENT * rng.randint(1, 6)
-    chunks = plan_chunks([host.slots[params[i]] for i in active], chunk_numel)
+    chunks = plan_chunks([slots[i] for i in active], chunk_numel)
 
     covered = {
         i: torch.zeros(params[active[i]].numel(), dtype=torch.int32) for i in range(len(active))
     }
+    pieces = dict.fromkeys(range(len(active)), 0)
     for chunk in chunks:
-        assert 0 < chunk.numel <= chunk_numel
+        assert chunk.numel > 0
+        first = arena.resident.device_start(chunk.start, chunk.start + 1) is not None
+        assert chunk.resident == first  # resident as a whole, or not at all
+        if chunk.numel > chunk_numel:  # only a whole resident parameter, alone
+            assert chunk.resident and not master and len(chunk.segments) == 1
         position = chunk.start
         for seg in chunk.segments:
-            slot = host.slots[params[active[seg.index]]]
+            slot = slots[active[seg.index]]
             # Segments tile the chunk in order and map to the right place in the arena.
             assert slot.offset + seg.start == position == chunk.start + seg.offset
             position += seg.stop - seg.start
@@ -54,8 +70,14 @@ def test_chunks_cover_each_active_element_once_within_bounds(seed):
             assert seg.start % SPLIT_ALIGNMENT == 0
             assert seg.stop == slot.layout.numel or seg.stop % SPLIT_ALIGNMENT == 0
             covered[seg.index][seg.start : seg.stop] += 1
+            pieces[seg.index] += 1
         assert position == chunk.stop
     assert all(bool((c == 1).all()) for c in covered.values())
+    for index, param in enumerate(active):
+        if param in kept and not master:
+            assert pieces[index] == 1
+        elif params[param].numel() > chunk_numel:
+            assert pieces[index] > 1
 
 
 def test_inactive_parameters_split_chunks_so_their_state_is_not_moved():
