@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_offload_optim.adamw import DEFAULT_CHUNK_SIZE
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
 from lightning_offload_optim.host_state import PAGE_SIZE, state_dtype, state_keys
+from lightning_offload_optim.lightning.mixin import OffloadOptimizerMixin
 from lightning_offload_optim.pipeline import buffer_keys, plan_chunks
 from lightning_offload_optim.resident import (
     Resident,
@@ -428,8 +429,26 @@ def _from_module(module: nn.Module, dtype: torch.dtype | None) -> _Model:
     ]
     unit = max(blocks, key=lambda ps: sum(p.numel() for p in ps), default=module.parameters())
     return _Model(
-        type(module).__name__, [spec(p) for p in module.parameters()], [spec(p) for p in unit]
+        type(module).__name__, [spec(p) for p in _step_order(module)], [spec(p) for p in unit]
     )
+
+
+def _step_order(module: nn.Module) -> list[nn.Parameter]:
+    """The module's parameters in the order OffloadAdamW lays out their state and chooses the
+    resident share: an :class:`OffloadOptimizerMixin`'s param groups (decayed ones first), then
+    the parameters they leave out. Otherwise, or where the mixin overlaps the step (its first
+    forward pass sets the order), their declared order, which a forward pass mostly follows."""
+    declared = list(module.parameters())
+    if not isinstance(module, OffloadOptimizerMixin) or module.offload_hparam("overlap_step"):
+        return declared
+    groups = module.offload_optimizer_args()["params"]
+    groups = [groups] if isinstance(groups, Tensor) else list(groups)
+    grouped = []
+    for group in groups:  # as torch.optim.Optimizer reads them
+        params = group["params"] if isinstance(group, dict) else group
+        grouped += [params] if isinstance(params, Tensor) else list(params)
+    taken = {id(p) for p in grouped}
+    return [*grouped, *(p for p in declared if id(p) not in taken)]
 
 
 def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:
@@ -652,7 +671,8 @@ def plan(
         model: a parameter count; a preset (``"7b"``, ``"13b"``, ``"70b"``: Llama-2); a Hugging
             Face config of the Llama layout, as a dict, an object with attributes, or a path to
             its ``config.json`` (or folder); or an ``nn.Module``, on any device (meta included),
-            whose parameters with ``requires_grad`` are trained.
+            whose parameters with ``requires_grad`` are trained (an ``OffloadOptimizerMixin``'s
+            in its param groups' order, as its optimizer lays them out).
         precision: a Lightning precision; it sets the dtype of floating-point parameters
             (``"*-mixed"`` and ``"32-true"`` keep them fp32). ``None``: a module's own dtypes,
             else ``"32-true"``.

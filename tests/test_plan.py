@@ -7,12 +7,13 @@ import json
 import random
 from types import SimpleNamespace
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 
 import lightning_offload_optim
-from lightning_offload_optim import MemoryPlan, OffloadAdamW
+from lightning_offload_optim import MemoryPlan, OffloadAdamW, OffloadOptimizerMixin
 from lightning_offload_optim.host_state import registered_empty
 from lightning_offload_optim.plan import GB, main, plan
 
@@ -225,6 +226,38 @@ def test_resident_keeps_whole_parameters_in_order_by_hand():
     assert plan(model, **MACHINE).copied_bytes == plan(model, **MACHINE).state_bytes == 16880
     single = plan(8 * 10**6, resident=0.99, **MACHINE)  # one parameter, larger than the budget
     assert single.resident_bytes == 0 and single.copied_bytes == 64 * 10**6
+
+
+class TwoLayers(OffloadOptimizerMixin, pl.LightningModule):
+    """Weights of 1000 elements declared before their biases (100 and 10): the mixin's groups
+    list both weights first, then the biases without decay."""
+
+    def __init__(self, overlap_step: bool = False, offload_resident: int = 16000) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.first, self.second = nn.Linear(10, 100), nn.Linear(100, 10)
+
+    def offload_optimizer_args(self) -> dict:
+        return {**super().offload_optimizer_args(), "pin_memory": False, "force_staging": True}
+
+
+def test_a_mixin_module_is_planned_in_its_param_groups_order():
+    """16000 B: taken in the groups' order, both weights (8000 B each) stay resident and no
+    bias does; in declared order the first bias would come before the second weight, leaving
+    too little for it (8000 + 800 + 80). The plan follows the groups, as the optimizer does."""
+    module = TwoLayers()
+    expected = plan(module, resident=16000, pin_memory=False, **MACHINE)
+    assert expected.resident_bytes == 16000
+    opt = module.configure_optimizers()
+    for _ in range(3):
+        for p in module.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert expected.memory_stats() == opt.memory_stats()
+    moved = opt.last_step.resolve()
+    assert expected.copied_bytes == moved.bytes_in == moved.bytes_out == 880
+    # Overlapping the step, the first forward pass sets the order: declared, for this module.
+    assert plan(TwoLayers(overlap_step=True), resident=16000, **MACHINE).resident_bytes == 8880
 
 
 def test_resident_auto_takes_what_headroom_and_margin_leave_by_hand():
