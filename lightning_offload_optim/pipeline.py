@@ -287,7 +287,7 @@ class StagingPipeline:
             # are the last step's, in the same places): the load's wait for it covers it.
             loaded = self._load(chunk, staged, number, record)
             chunk.arena.read_by(loaded)
-            self._prefetched[index] = ((id(chunk.arena), chunk.start, chunk.stop, number), loaded)
+            self._prefetched[index] = ((id(chunk.arena), chunk.start, chunk.stop, turn), loaded)
 
     def _turns(self, chunks: Sequence[Chunk]) -> list[int]:
         """Per chunk, how many staged chunks of its kind come before it. A kind's staged chunks
@@ -349,11 +349,14 @@ class StagingPipeline:
                     self.updated.append(self._run_resident(chunk, views, update, record, compute))
                 elif is_staged:
                     compute = computes[chunk.arena.device]
+                    # A copy queued ahead is this chunk's if it went to the same range and
+                    # buffer at the same turn: a plan changed since (a new resident share) may
+                    # give the range a later turn, whose buffer an earlier chunk loads first.
                     ahead = prefetched.get(index)
                     loaded = (
                         ahead[1]
                         if ahead is not None
-                        and ahead[0] == (id(chunk.arena), chunk.start, chunk.stop, number)
+                        and ahead[0] == (id(chunk.arena), chunk.start, chunk.stop, turn)
                         else self._load(chunk, views, number, record)
                     )
                     self.updated.append(

@@ -2,7 +2,8 @@
 survived it): reads before any hook that one pass hides and another shows, parts frozen in
 turn, an overlap switched on between backward and step, reads through ``.T``, a second
 ``overlap_with``, the update order and the allocator's view of the gradients, two overlapped
-optimizers under the mixin, tuners and a failed ``fit``. Each compares with an independent
+optimizers under the mixin, tuners and a failed ``fit``, a resident share set between
+backward and step (found by a review). Each compares with an independent
 ``torch.optim.AdamW(fused=True)`` under the stream-ordering checker.
 """
 
@@ -595,6 +596,33 @@ def test_copies_queued_in_backward_after_a_step_without_the_overlap(stream_order
     opt.wait_for_updates()
     stream_order.expect_none()
     assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+def four_layers() -> nn.Module:
+    """Four weights of 100 elements, each a chunk of its own at ``chunk_size=128``."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(10, 10, bias=False) for _ in range(4)))
+
+
+def test_a_resident_share_set_between_backward_and_step_reloads_what_moved_turns(stream_order):
+    """The first two parameters are resident; the forward queues the copy of the third into
+    staging buffer 0, its turn in that plan. Setting ``resident = None`` before the step makes
+    the third chunk's turn 2, which also takes buffer 0 after the first chunk has loaded into
+    it: the copy queued ahead is not the third chunk's, so it loads again (it was updated
+    from the first chunk's state). Found by a review, with the checker."""
+    model, reference = four_layers(), four_layers()
+    opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=128, resident=1600)
+    opt.overlap_with(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), fused=True)
+    for step in range(4):
+        x = torch.full((3, 10), 0.5 + step)
+        for net, o in ((model, opt), (reference, ref_opt)):
+            net(x).pow(2).sum().backward()
+            if step == 2 and o is opt:
+                opt.resident = None
+            o.step()
+            o.zero_grad()
+    assert_overlapped_alike(stream_order, opt, model, reference)
 
 
 def test_an_arena_dropped_after_the_overlap_is_removed_is_freed():
