@@ -412,14 +412,29 @@ def _from_config(config: Any, name: str, dtype: torch.dtype) -> _Model:
 
 
 def _from_module(module: nn.Module, dtype: torch.dtype | None) -> _Model:
-    """A module's parameters (any device, meta included), cast to ``dtype`` where floating.
+    """A module's parameters (any device, meta included), cast to ``dtype`` where floating, in
+    the order OffloadAdamW lays out their state and chooses the resident share: for an
+    :class:`OffloadOptimizerMixin`, the parameters its optimizer takes (the others are not
+    trained) in its param groups' order (decayed ones first), unless it overlaps the step, whose
+    first forward pass sets the order; otherwise, and then, their declared order, which a
+    forward pass mostly follows.
 
     The FSDP2 unit is the largest element of any ``nn.ModuleList`` (the blocks one applies
     ``fully_shard`` to); a module without one is a single unit."""
+    declared = list(module.parameters())
+    optimized = _optimized(module)
+    if optimized is None:
+        order, trained = declared, {id(p) for p in declared}
+    else:
+        trained = {id(p) for p in optimized}
+        rest = [p for p in declared if id(p) not in trained]
+        order = [*optimized, *rest]
+        if module.offload_hparam("overlap_step"):
+            order = [*declared, *(p for p in optimized if id(p) not in {id(q) for q in declared})]
 
     def spec(p: nn.Parameter) -> _Param:
         cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
-        return _Param(tuple(p.shape), cast, p.requires_grad)
+        return _Param(tuple(p.shape), cast, p.requires_grad and id(p) in trained)
 
     blocks = [
         list(block.parameters())
@@ -428,27 +443,31 @@ def _from_module(module: nn.Module, dtype: torch.dtype | None) -> _Model:
         for block in child
     ]
     unit = max(blocks, key=lambda ps: sum(p.numel() for p in ps), default=module.parameters())
-    return _Model(
-        type(module).__name__, [spec(p) for p in _step_order(module)], [spec(p) for p in unit]
-    )
+    return _Model(type(module).__name__, [spec(p) for p in order], [spec(p) for p in unit])
 
 
-def _step_order(module: nn.Module) -> list[nn.Parameter]:
-    """The module's parameters in the order OffloadAdamW lays out their state and chooses the
-    resident share: an :class:`OffloadOptimizerMixin`'s param groups (decayed ones first), then
-    the parameters they leave out. Otherwise, or where the mixin overlaps the step (its first
-    forward pass sets the order), their declared order, which a forward pass mostly follows."""
-    declared = list(module.parameters())
-    if not isinstance(module, OffloadOptimizerMixin) or module.offload_hparam("overlap_step"):
-        return declared
-    groups = module.offload_optimizer_args()["params"]
-    groups = [groups] if isinstance(groups, Tensor) else list(groups)
-    grouped = []
-    for group in groups:  # as torch.optim.Optimizer reads them
-        params = group["params"] if isinstance(group, dict) else group
-        grouped += [params] if isinstance(params, Tensor) else list(params)
-    taken = {id(p) for p in grouped}
-    return [*grouped, *(p for p in declared if id(p) not in taken)]
+def _optimized(module: nn.Module) -> list[Tensor] | None:
+    """The parameters an :class:`OffloadOptimizerMixin`'s optimizer takes, in its param groups'
+    order; None for other modules, and (with a warning) where ``offload_optimizer_args()``
+    cannot run before training (an override that reads the trainer)."""
+    if not isinstance(module, OffloadOptimizerMixin):
+        return None
+    try:
+        given = module.offload_optimizer_args()["params"]
+    except Exception as error:  # the user's override: plan on, in declared order
+        warnings.warn(
+            f"plan: {type(module).__name__}.offload_optimizer_args() raised {error!r}; planning "
+            "every parameter with requires_grad, in declared order, not its param groups",
+            stacklevel=5,  # plan()'s caller
+        )
+        return None
+
+    def tensors(params: Any) -> list[Tensor]:  # as torch.optim.Optimizer reads them
+        items = [params] if isinstance(params, Tensor) else list(params)
+        return [item[1] if isinstance(item, tuple) else item for item in items]  # (name, p)
+
+    items = [given] if isinstance(given, Tensor) else list(given)
+    return [p for i in items for p in tensors(i["params"] if isinstance(i, dict) else [i])]
 
 
 def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:

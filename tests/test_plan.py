@@ -260,6 +260,41 @@ def test_a_mixin_module_is_planned_in_its_param_groups_order():
     assert plan(TwoLayers(overlap_step=True), resident=16000, **MACHINE).resident_bytes == 8880
 
 
+class NamedGroups(TwoLayers):
+    """Named parameters, as torch's optimizers take them, without the second layer's bias."""
+
+    def offload_param_groups(self) -> list:
+        named = [(n, p) for n, p in self.named_parameters() if n != "second.bias"]
+        return [{"params": named[:1]}, {"params": named[1:]}]
+
+
+class NeedsTrainer(TwoLayers):
+    def offload_optimizer_args(self) -> dict:
+        return {**super().offload_optimizer_args(), "lr": 1e-3 * self.trainer.world_size}
+
+
+def test_a_mixin_module_is_planned_over_the_parameters_its_groups_name():
+    """Groups of (name, parameter) pairs that leave out a bias: the plan reads the pairs and
+    trains only what the groups give the optimizer (the left-out bias, though it requires a
+    gradient, gets no state), as a real step does."""
+    module = NamedGroups(offload_resident=0)
+    expected = plan(module, pin_memory=False, **MACHINE)
+    assert expected.state_bytes == 8 * (1000 + 100 + 1000)
+    opt = module.configure_optimizers()
+    for _ in range(2):
+        for p in module.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert expected.memory_stats() == opt.memory_stats()
+
+
+def test_a_mixin_whose_optimizer_args_need_a_trainer_is_planned_in_declared_order():
+    with pytest.warns(UserWarning, match=r"NeedsTrainer.offload_optimizer_args\(\) raised") as w:
+        planned = plan(NeedsTrainer(), resident=16000, **MACHINE)
+    assert w[0].filename == __file__
+    assert planned.resident_bytes == 8000 + 800 + 80  # declared order: the first bias fits first
+
+
 def test_resident_auto_takes_what_headroom_and_margin_leave_by_hand():
     """One bf16 parameter of 8e6 elements: 16 MB of weights, 16 MB of gradients, two staging
     sets of 4 fp32 keys (moments, master copy, gradient scratch) of 4 Mi elements, and 96 MB of
