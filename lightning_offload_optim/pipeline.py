@@ -529,9 +529,11 @@ class StagingPipeline:
         host buffers; order the caller's streams after every queued update (on the device)."""
         self._flush_resident()
         self.join_updates()
-        for _, loaded in self._prefetched.values():  # early copies still reading them
-            if loaded is not None:
-                loaded.synchronize()
+        # Copies still reading the host buffers: those queued ahead, also ones a changed plan
+        # or a load dropped unused (nothing else waits for those), and resident uploads.
+        for streams in self._streams.values():
+            if (read := streams.record(streams.copy_in)) is not None:
+                read.synchronize()
         for event in self._host_ready.values():
             if event is not None:
                 event.synchronize()

@@ -625,6 +625,35 @@ def test_a_resident_share_set_between_backward_and_step_reloads_what_moved_turns
     assert_overlapped_alike(stream_order, opt, model, reference)
 
 
+class SquaredSum(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x).pow(2).sum()
+
+
+def test_a_load_waits_for_a_copy_queued_ahead_that_the_step_left_unused(stream_order):
+    """``a`` is resident; each forward pass queues the copy of ``b``'s chunk for the next step.
+    With ``b`` frozen for that step nothing uses the copy, and nothing later on its stream
+    (only resident updates run) orders it: a load writing the host buffers must still wait
+    for it to finish reading them. Found by a review, with the checker."""
+    torch.manual_seed(0)
+    model = SquaredSum(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    reference = copy.deepcopy(model)
+    opt = OffloadAdamW(model.parameters(), force_staging=True, chunk_size=64, resident=512)
+    opt.overlap_with(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), fused=True)
+    pairs = [(model, opt), (reference, ref_opt)]
+    inputs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    train_alike(pairs, inputs[0:2])  # a resident from the second step
+    for net in (model, reference):
+        net[1].requires_grad_(False)
+    train_alike(pairs, inputs[2:3])  # b's copy queued ahead, unused
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for net in (model, reference):
+        net[1].requires_grad_(True)
+    train_alike(pairs, inputs[3:4])
+    assert_overlapped_alike(stream_order, opt, model, reference)
+
+
 def test_an_arena_dropped_after_the_overlap_is_removed_is_freed():
     """After the overlap is removed, nothing keeps the last overlapped step's chunks, and with
     them arenas the host state dropped (their host and resident buffers), which

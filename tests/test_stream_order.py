@@ -247,13 +247,13 @@ def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_harness_finds_every_ordering_step():
-    """Eleven waits, twelve data-ordering events (four of them the ends of timed copies)
+    """Eleven waits, thirteen data-ordering events (four of them the ends of timed copies)
     and two host waits today: a new one counts too."""
     kinds = [label.split(": ", 1)[1].split("(")[0] for label, _ in MUTANTS]
     assert sorted(kinds) == (
         ["copied.event"] * 4
-        + ["event.synchronize", "loaded.synchronize"]
-        + ["streams.record"] * 8
+        + ["event.synchronize", "read.synchronize"]
+        + ["streams.record"] * 9
         + ["streams.wait"] * 11
     )
 
