@@ -6,10 +6,11 @@ the loss reads outside any layer), a chunk size, a resident share or byte budget
 whether the step overlaps the next forward, param groups (their own lr, weight decay, betas and
 maximize; layers first used later may join by ``add_param_group``; the first group's lr may be
 a tensor) and a schedule: lr decays as a scheduler makes them, layers first used at later steps,
-the order layers run in, gradients dropped or zeroed in place, and, between a step and the next
-forward pass or between a backward pass and its step, evaluation forward passes,
-``state_dict()`` reads, edits of the moments through ``state_dict()``'s tensors (which are
-references, as torch's are) and loads of an edited copy. These mix the events that change chunk
+the order layers run in, a layer left out of a step's forward pass, gradients dropped or zeroed
+in place, and, between a step and the next forward pass or between a backward pass and its step,
+evaluation forward passes, ``state_dict()`` reads, edits of the moments through
+``state_dict()``'s tensors (which are references, as torch's are), loads of an edited copy and
+a new ``resident`` share or budget. These mix the events that change chunk
 plans, staging buffers, prefetched copies and the resident choice at arbitrary points, which
 hand-written scenarios meet one at a time. Some seeds run again with both models sharded by
 FSDP2 on a 1-rank mesh, and, with a GPU, on real CUDA streams.
@@ -95,6 +96,10 @@ def draw(seed: int) -> dict:
         "overlap": rng.random() < 0.8,
         "first_step": [rng.choice([0, 0, 0, 1, 2, 4]) for _ in range(count)],
         "orders": [rng.sample(range(count), count) for _ in range(STEPS)],
+        "left_out": [rng.randrange(count) if rng.random() < 0.3 else None for _ in range(STEPS)],
+        "new_resident": [
+            rng.choice([None, 0.0, 0.3, 1.0, rng.randint(0, state_bytes)]) for _ in range(STEPS)
+        ],
         "set_to_none": [rng.random() < 0.7 for _ in range(STEPS)],
         "after_step": [rng.choice([None, None, *EVENTS]) for _ in range(STEPS)],
         "before_step": [rng.choice([None, None, None, *EVENTS]) for _ in range(STEPS)],
@@ -138,14 +143,18 @@ def decay_lr(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] *= 0.7
 
 
-EVENTS = ("evaluate", "state_dict", "edit", "load")
+EVENTS = ("evaluate", "state_dict", "edit", "load", "resident")
 
 
-def between(event: str | None, model: Layers, ours: OffloadAdamW, reference: Reference) -> None:
+def between(
+    event: str | None, model: Layers, ours: OffloadAdamW, reference: Reference, resident: Any
+) -> None:
     """What the user does between a step and the next forward, or a backward and its step.
     "edit" halves every first moment through the state dicts' tensors; "load" does the same to
-    a copy of ours and loads it."""
-    if event == "evaluate":
+    a copy of ours and loads it; "resident" sets ``ours.resident``."""
+    if event == "resident":
+        ours.resident = resident
+    elif event == "evaluate":
         with torch.no_grad():
             model(torch.ones(2, 8, device=model.extra.device), list(range(len(model.layers))))
         if isinstance(model, FSDPModule):
@@ -226,15 +235,20 @@ def run_scenario(
             ours.add_param_group(ours_group(group))
             reference.optimizer.add_param_group(reference.group(group))
         x = torch.randn(5, 8, generator=generator).to(device)
-        use = [i for i in case["orders"][step] if case["first_step"][i] <= step]
+        use = [
+            i
+            for i in case["orders"][step]
+            if case["first_step"][i] <= step and i != case["left_out"][step]
+        ]
         forward(x, use).backward()
         grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-        between(case["before_step"][step], model, ours, reference)
+        resident = case["new_resident"][step]
+        between(case["before_step"][step], model, ours, reference, resident)
         ours.step()
         reference.step(grads)
         ours.zero_grad(set_to_none=case["set_to_none"][step])
         reference.optimizer.zero_grad(set_to_none=case["set_to_none"][step])
-        between(case["after_step"][step], model, ours, reference)
+        between(case["after_step"][step], model, ours, reference, resident)
         if case["lr_decay"][step]:
             decay_lr(ours)
             decay_lr(reference.optimizer)
