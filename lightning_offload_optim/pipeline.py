@@ -108,11 +108,10 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
 
 
 def _needs_no_buffer(slot: Slot) -> bool:
-    """Whether the slot's whole state is resident in an arena without a master copy, so its
-    update reads no staging buffer and no gradient scratch, whatever its size."""
-    stop = slot.offset + slot.layout.numel
-    resident = slot.arena.resident.device_start(slot.offset, stop) is not None
-    return resident and MASTER_KEY not in slot.arena.keys
+    """Whether the slot's whole state, as one chunk on a staging device, needs no buffer (it is
+    resident in an arena without a master copy), so it needs no bound either."""
+    whole = Chunk(slot.arena, slot.offset, slot.offset + slot.layout.numel)
+    return not buffer_keys(whole, stages=True)
 
 
 ChunkUpdate = Callable[[Chunk, dict[str, Tensor]], None]
