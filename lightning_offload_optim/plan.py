@@ -423,14 +423,16 @@ def _from_module(module: nn.Module, dtype: torch.dtype | None) -> _Model:
     ``fully_shard`` to); a module without one is a single unit."""
     declared = list(module.parameters())
     optimized = _optimized(module)
-    if optimized is None:
-        order, trained = declared, {id(p) for p in declared}
-    else:
-        trained = {id(p) for p in optimized}
-        rest = [p for p in declared if id(p) not in trained]
-        order = [*optimized, *rest]
-        if module.offload_hparam("overlap_step"):
-            order = [*declared, *(p for p in optimized if id(p) not in {id(q) for q in declared})]
+    trained = {id(p) for p in (declared if optimized is None else optimized)}
+    order = declared
+    if optimized is not None:
+        first, then = (
+            (declared, optimized)
+            if module.offload_hparam("overlap_step")
+            else (optimized, declared)
+        )
+        taken = {id(p) for p in first}
+        order = [*first, *(p for p in then if id(p) not in taken)]
 
     def spec(p: nn.Parameter) -> _Param:
         cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
