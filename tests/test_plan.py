@@ -98,7 +98,12 @@ def stepped(model: nn.Module, steps: int = 1, **options) -> OffloadAdamW:
     """OffloadAdamW after ``steps`` real steps over every trainable parameter, staged as on a
     GPU (resident state is chosen at the second)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = OffloadAdamW(params, pin_memory=False, force_staging=True, **options)
+    return take_steps(OffloadAdamW(params, pin_memory=False, force_staging=True, **options), steps)
+
+
+def take_steps(opt: OffloadAdamW, steps: int) -> OffloadAdamW:
+    """``opt`` after ``steps`` steps with random gradients for every parameter it holds."""
+    params = [p for group in opt.param_groups for p in group["params"]]
     for _ in range(steps):
         for p in params:
             p.grad = torch.randn_like(p)
@@ -248,11 +253,7 @@ def test_a_mixin_module_is_planned_in_its_param_groups_order():
     module = TwoLayers()
     expected = plan(module, resident=16000, pin_memory=False, **MACHINE)
     assert expected.resident_bytes == 16000
-    opt = module.configure_optimizers()
-    for _ in range(3):
-        for p in module.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()
+    opt = take_steps(module.configure_optimizers(), 3)
     assert expected.memory_stats() == opt.memory_stats()
     moved = opt.last_step.resolve()
     assert expected.copied_bytes == moved.bytes_in == moved.bytes_out == 880
@@ -280,12 +281,7 @@ def test_a_mixin_module_is_planned_over_the_parameters_its_groups_name():
     module = NamedGroups(offload_resident=0)
     expected = plan(module, pin_memory=False, **MACHINE)
     assert expected.state_bytes == 8 * (1000 + 100 + 1000)
-    opt = module.configure_optimizers()
-    for _ in range(2):
-        for p in module.parameters():
-            p.grad = torch.randn_like(p)
-        opt.step()
-    assert expected.memory_stats() == opt.memory_stats()
+    assert expected.memory_stats() == take_steps(module.configure_optimizers(), 2).memory_stats()
 
 
 def test_a_mixin_whose_optimizer_args_need_a_trainer_is_planned_in_declared_order():
