@@ -229,14 +229,15 @@ def test_resident_share_moves_only_the_rest(tmp_path, share, overlap):
     assert monitor.totals["bytes_out"] == sum(expected_out) + resident
 
     # Resumed from the checkpoint after step 4: the loaded state is laid out anew, the prefix
-    # chosen and uploaded at the first step (5); total_moved_bytes continues from the checkpoint.
+    # chosen and uploaded at the first step (5); total_moved_bytes continues from the checkpoint,
+    # which counts the write-back of the resident part that reading the state for it made.
     resumed = fit_resume(
         tmp_path / "resumed",
         TinyModel(force_staging=True, offload_resident=share, overlap_step=overlap),
         tmp_path / "ckpt" / "step=4.ckpt",
     ).rows
     assert [s for s, _ in resumed] == [4, 5]
-    before = sum(expected_in[:4]) + sum(expected_out[:4])
+    before = sum(expected_in[:4]) + sum(expected_out[:4]) + resident
     assert_directions(resumed, [resident + rest, rest], [rest, rest])
     assert [m[P + "total_moved_bytes"] for _, m in resumed] == [
         before + resident + 2 * rest,

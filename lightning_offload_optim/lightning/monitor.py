@@ -328,7 +328,14 @@ class OffloadMonitor(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        """Lightning took :meth:`state_dict` before the optimizers' state, whose reading wrote
+        resident state back to the host: count that copy now, in the saved totals too (the
+        resumed run's optimizer never makes it; the run goes on counting it in this interval)."""
         checkpoint[CHECKPOINT_KEY] = offload_metadata(trainer.optimizers)
+        saved = checkpoint.get("callbacks", {}).get(self.state_key)
+        if self._optimizers and saved is not None:
+            self._fold_copies_between_steps()
+            saved["totals"] = dict(self.totals)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
