@@ -3,8 +3,8 @@ with OffloadAdamW through the mixin and with torch AdamW, each saving and resumi
 
 Usage: python tests/model_parallel_fit.py OUTPUT_DIR. Lightning starts rank 1 by running this
 script again. Each rank writes, per optimizer and checkpoint kind (sharded folder or one file),
-the full parameters after a fit and after a resume from its mid-run checkpoint, and what the
-monitor logged.
+the full parameters after a fit and after a resume from its mid-run checkpoint, what the
+monitor logged, and the monitors' totals at the end of both.
 """
 
 from __future__ import annotations
@@ -63,11 +63,13 @@ def run(out: Path, optimizer: str, distributed: bool, common: dict[str, Any]) ->
     initial = [p.detach().clone() for p in model.parameters()]
     fit.fit(model)
     resumed = ShardedModel(optimizer=optimizer, **hparams)
+    resumed_monitor = OffloadMonitor(summary=False)
     again = trainer(
         out / f"{name}-resumed",
         strategy=strategy(distributed),
         devices=2,
         max_steps=STEPS,
+        callbacks=[resumed_monitor],
         **common,
     )
     again.fit(resumed, ckpt_path=out / f"ckpt-{name}" / "step=2.ckpt")
@@ -78,6 +80,7 @@ def run(out: Path, optimizer: str, distributed: bool, common: dict[str, Any]) ->
         "params": full(model),
         "resumed": full(resumed),
         "logged": logged,
+        "totals": (dict(monitor.totals), dict(resumed_monitor.totals)),
         "state_bytes": optim.memory_stats()["state_bytes"] if optimizer == "offload" else 0,
         "rank": fit.global_rank,
     }

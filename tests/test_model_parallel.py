@@ -39,3 +39,20 @@ def test_monitor_reports_host_bytes_per_rank_and_summed(ranks):
         assert logged[rank]["offload/host_bytes"] == state[rank]
         assert logged[rank]["offload/host_bytes_all_ranks"] == sum(state)
         assert logged[rank]["offload/interval_steps"] == 2.0
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["sharded-checkpoint", "one-file"])
+def test_monitor_totals_resume_per_rank(ranks, distributed):
+    """A resumed run's totals end where the uninterrupted run's do, on each rank: the step
+    torch's set_optimizer_state_dict makes to create the state it loads is no training step,
+    and each rank continues from its own totals (the ranks' shards differ in size; the one-file
+    runs stage, so bytes are copied)."""
+    bytes_moved = []
+    for result in ranks:
+        uninterrupted, resumed = result["offload", distributed]["totals"]
+        for name in ("steps", "bytes_in", "bytes_out"):
+            assert resumed[name] == uninterrupted[name], name
+        assert uninterrupted["steps"] == 4
+        bytes_moved.append(uninterrupted["bytes_in"])
+    if not distributed:
+        assert bytes_moved[0] != bytes_moved[1] and min(bytes_moved) > 0

@@ -480,3 +480,22 @@ def test_host_pinned_is_one_only_when_every_optimizer_is_pinned(tmp_path, monkey
     assert [o.memory_stats()["pinned"] for o in fitted.optimizers] == [True, False]
     assert float(fitted.logged_metrics["offload/host_pinned"]) == 0.0
     assert isinstance(fitted.logged_metrics["offload/host_pinned"], torch.Tensor)
+
+
+def test_each_rank_resumes_from_its_own_saved_totals(tmp_path):
+    """A checkpoint of N ranks holds each rank's totals; resumed on as many ranks, each takes
+    its own, on another number of ranks the saved rank's (``totals``)."""
+    import torch.distributed as dist
+
+    saved = dict.fromkeys(("steps", "bytes_in"), 1.0)
+    this_rank = dict.fromkeys(("steps", "bytes_in"), 2.0)
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'pg'}")
+    try:
+        monitor = OffloadMonitor()
+        monitor.load_state_dict({"totals": saved, "totals_by_rank": [this_rank]})
+        assert monitor.totals["steps"] == monitor.totals["bytes_in"] == 2.0
+        monitor = OffloadMonitor()
+        monitor.load_state_dict({"totals": saved, "totals_by_rank": [this_rank, this_rank]})
+        assert monitor.totals["steps"] == monitor.totals["bytes_in"] == 1.0
+    finally:
+        dist.destroy_process_group()

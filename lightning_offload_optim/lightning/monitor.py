@@ -117,15 +117,19 @@ class OffloadMonitor(Callback):
                 "configure_optimizers."
             )
             return
-        # Every step's record, also of an optimizer stepped more than once in a batch.
-        self._seen = {id(opt): opt.last_step for opt in self._optimizers}
-        self._remove_hooks()
-        self._hooks = [opt.register_step_post_hook(self._stepped) for opt in self._optimizers]
         # Kept on the CPU between logs (updating it there never waits for the device); moved
         # to the module's device only to be reduced across ranks when logged.
         self._interval = IntervalTotals()
         self._unlogged = self._shown = False
         self._saved_at_train_end = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Count every step from here, also of an optimizer stepped more than once in a batch;
+        not before: under ModelParallelStrategy torch's ``set_optimizer_state_dict`` steps once,
+        with lr 0, to create the state that a resume then loads."""
+        self._seen = {id(opt): opt.last_step for opt in self._optimizers}
+        self._remove_hooks()
+        self._hooks = [opt.register_step_post_hook(self._stepped) for opt in self._optimizers]
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -323,19 +327,33 @@ class OffloadMonitor(Callback):
         return {"totals": dict(self.totals)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.totals.update(state_dict.get("totals", {}))
+        """Continue from this rank's saved totals; on another number of ranks than saved, from
+        those of the rank that saved the checkpoint."""
+        rank, world_size = _rank_and_world_size()
+        by_rank = state_dict.get("totals_by_rank")
+        if by_rank is not None and len(by_rank) == world_size:
+            self.totals.update(by_rank[rank])
+        else:
+            self.totals.update(state_dict.get("totals", {}))
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Lightning took :meth:`state_dict` before the optimizers' state, whose reading wrote
         resident state back to the host: count that copy now, in the saved totals too (the
-        resumed run's optimizer never makes it; the run goes on counting it in this interval)."""
+        resumed run's optimizer never makes it; the run goes on counting it in this interval).
+        Every rank's totals are saved: only one rank's callback state reaches the checkpoint,
+        and FSDP2 ranks copy their own shards' state. Called on every rank, as saving is."""
         checkpoint[CHECKPOINT_KEY] = offload_metadata(trainer.optimizers)
         saved = checkpoint.get("callbacks", {}).get(self.state_key)
         if self._optimizers and saved is not None:
             self._fold_copies_between_steps()
             saved["totals"] = dict(self.totals)
+            if trainer.world_size > 1:
+                mine = torch.tensor([self.totals[name] for name in COUNTERS], dtype=torch.float64)
+                gathered = trainer.strategy.all_gather(mine.to(pl_module.device))
+                rows = gathered.reshape(trainer.world_size, len(COUNTERS)).tolist()
+                saved["totals_by_rank"] = [dict(zip(COUNTERS, row, strict=True)) for row in rows]
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -364,6 +382,12 @@ class IntervalTotals(Metric):
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.sums, self.slowest, self.host_bytes
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def _accumulating(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
