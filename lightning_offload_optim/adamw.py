@@ -50,6 +50,7 @@ from lightning_offload_optim.validation import (
     LoadedEntry,
     check_entry,
     check_gradient,
+    check_hyperparameters,
     describe,
     group_hyperparameters,
     match_loaded_state,
@@ -145,16 +146,28 @@ class OffloadAdamW(torch.optim.AdamW):
         resident: float | int | str | None = None,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-            raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+            raise TypeError(f"chunk_size must be an int, got {chunk_size!r}")
         if chunk_size < SPLIT_ALIGNMENT:
             raise ValueError(f"chunk_size must be at least {SPLIT_ALIGNMENT}, got {chunk_size}")
+        flags = {"enabled": enabled, "force_staging": force_staging, "pin_memory": pin_memory}
+        for name, flag in flags.items():
+            if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
+                kind = "a bool or None" if name == "pin_memory" else "a bool"
+                raise TypeError(f"{name} must be {kind}, got {flag!r}")  # bool("false") is True
         # Set before torch's constructor, whose add_param_group calls read them.
-        self.enabled = bool(enabled)
+        self.enabled = enabled
         self.chunk_size = chunk_size - chunk_size % SPLIT_ALIGNMENT
-        self.force_staging = bool(force_staging)
+        self.force_staging = force_staging
         self.resident = check_resident(resident)
         self.pin_memory = _resolve_pin_memory(pin_memory) if self.enabled else False
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
+        try:
+            super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
+        except TypeError:  # torch's checks of the values meet lr="1e-3" or betas=0.9 with this
+            given = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+            check_hyperparameters(
+                given | {"amsgrad": amsgrad, "maximize": maximize}, "OffloadAdamW"
+            )
+            raise
         self._start_offload()
 
     def _start_offload(self) -> None:

@@ -31,13 +31,25 @@ def describe(group: int, position: int) -> str:
 
 
 def _kind(value: Any) -> str:
+    """``value`` for an error message: a tensor's kind (and its value if it holds one), or a
+    repr cut at 80 characters (a list given for a moment prints no whole list)."""
     if isinstance(value, Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-    return f"{value!r} ({type(value).__name__})"
+        kind = f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+        if value.numel() == 1 and value.device.type != "meta":
+            kind += f" holding {value.item()!r}"
+        return kind
+    text = repr(value)
+    return f"{text if len(text) <= 80 else text[:77] + '...'} ({type(value).__name__})"
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A real number, not a bool (``True`` is an int to Python, never meant as 1.0 here)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_int(value: Any) -> bool:
+    """An int, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 # ------------------------------------------------------------------------------ hyperparameters
@@ -71,12 +83,18 @@ def group_hyperparameters(group: Mapping[str, Any], index: int) -> Hyperparamete
         ...
         ValueError: param group 1 has betas=(0.9, 0.99, 0.5); betas must be a pair (beta1, beta2)
     """
-    where = f"param group {index}"
+    return check_hyperparameters(group, f"param group {index}")
+
+
+def check_hyperparameters(values: Mapping[str, Any], where: str) -> Hyperparameters:
+    """Check AdamW hyperparameters (a param group's, or the optimizer's arguments), naming
+    ``where`` they come from in an error."""
+    group = values
     lr = group.get("lr")
     if isinstance(lr, Tensor):
         if lr.numel() != 1 or not lr.is_floating_point():
             raise ValueError(f"{where} has lr={_kind(lr)}; a tensor lr must be 1-element float")
-    elif not (_is_number(lr) and math.isfinite(lr)):
+    elif not (is_number(lr) and math.isfinite(lr)):
         # Any sign, as torch at step time: its LinearLR(end_factor=0) can end at -3e-21.
         raise ValueError(
             f"{where} has lr={_kind(lr)}; lr must be a finite number or a 1-element tensor"
@@ -88,12 +106,12 @@ def group_hyperparameters(group: Mapping[str, Any], index: int) -> Hyperparamete
         raise ValueError(f"{where} has betas={betas!r}; betas must be a pair (beta1, beta2)")
     checked = []
     for i, beta in enumerate(map(_scalar, betas)):
-        if not (_is_number(beta) and 0.0 <= beta < 1.0):
+        if not (is_number(beta) and 0.0 <= beta < 1.0):
             raise ValueError(f"{where} has betas[{i}]={_kind(beta)}; it must be in [0, 1)")
         checked.append(float(beta))
     for name in ("eps", "weight_decay"):
         value = _scalar(group.get(name))
-        if not (_is_number(value) and math.isfinite(value) and value >= 0):
+        if not (is_number(value) and math.isfinite(value) and value >= 0):
             raise ValueError(f"{where} has {name}={_kind(value)}; it must be a finite number >= 0")
         checked.append(float(value))
     flags = []
@@ -165,7 +183,7 @@ def _check_step(value: Any, where: str) -> None:
             and (value.is_floating_point() or value.dtype in (torch.int32, torch.int64))
         )
     else:
-        ok = _is_number(value)
+        ok = is_number(value)
     if not ok or not (math.isfinite(float(value)) and float(value) >= 0):
         raise ValueError(
             f"loaded 'step' for {where} is {_kind(value)}; expected a finite number >= 0 or a "
@@ -245,7 +263,9 @@ def match_loaded_state(
     if len(saved_groups) != len(param_groups):
         raise ValueError(
             f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
-            f"{len(param_groups)}"
+            f"{len(param_groups)}; they must be the groups it was saved with (AdamW over "
+            "model.parameters() has one, OffloadOptimizerMixin makes two unless its hparam "
+            "no_decay_norm_and_bias is False)"
         )
     owner: dict[Any, tuple[Tensor, bool, str]] = {}
     for g, (saved, group) in enumerate(zip(saved_groups, param_groups, strict=True)):
