@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -282,6 +284,50 @@ def test_every_offload_hparam_reaches_the_optimizer():
     assert optimizer.pin_memory is False
     assert optimizer.enabled is False
     assert optimizer.resident == 0.5
+
+
+@pytest.mark.parametrize(
+    ("hparams", "error", "message", "note"),
+    [
+        ({"offload_resident": 1.5}, ValueError, "resident as a share", "offload_resident=1.5"),
+        ({"offload_chunk_size": "4Mi"}, TypeError, "chunk_size", "offload_chunk_size='4Mi'"),
+        ({"offload_enabled": "no"}, TypeError, "enabled must be a bool", "offload_enabled='no'"),
+        ({"learning_rate": "3e-4"}, ValueError, "lr='3e-4'", "learning_rate='3e-4' \\(lr\\)"),
+        ({"betas": 0.9}, ValueError, "betas must be a pair", "betas=0.9 \\(betas\\)"),
+    ],
+)
+def test_a_bad_hparam_is_named_in_the_optimizers_error(hparams, error, message, note):
+    with pytest.raises(error, match=message) as raised:
+        Configured(**hparams).configure_optimizers()
+    (added,) = raised.value.__notes__
+    assert re.search(
+        f"OffloadOptimizerMixin took OffloadAdamW's arguments from the hparams .*{note}", added
+    )
+
+
+def test_a_bad_warm_up_hparam_is_refused_also_without_a_schedule():
+    with pytest.raises(ValueError, match=r"warmup_steps must be an int >= 0, got 2\.5"):
+        Configured(warmup_steps=2.5).configure_optimizers()  # int() made it 2 before
+    with pytest.raises(ValueError, match="min_lr_ratio must be a number in"):
+        Configured(min_lr_ratio="0.1").configure_optimizers()
+
+
+def test_hparams_init_takes_but_did_not_save_are_named_in_a_warning():
+    class Unsaved(OffloadOptimizerMixin, pl.LightningModule):
+        def __init__(self, learning_rate: float = 3e-4, beta2: float = 0.95, depth: int = 2):
+            super().__init__()  # no save_hyperparameters()
+            self.linear = torch.nn.Linear(4, 4)
+
+    with pytest.warns(UserWarning) as warned:
+        optimizer = Unsaved().configure_optimizers()
+    messages = [str(w.message) for w in warned]
+    assert any("takes 'learning_rate'" in m and "default lr=0.001" in m for m in messages)
+    assert any("takes 'beta2'" in m and "save_hyperparameters()" in m for m in messages)
+    assert not any("depth" in m for m in messages)
+    assert optimizer.param_groups[0]["lr"] == 1e-3  # what the warning says is used
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Configured(lr=3e-4).configure_optimizers()  # saved, or not taken: no warning
 
 
 def test_defaults_leave_resident_and_chunk_size_to_the_optimizer():

@@ -516,15 +516,24 @@ def test_hand_set_lr_reaches_linked_groups_in_the_same_step():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"warmup_steps": -1, "total_steps": 10}, "warmup_steps must be >= 0"),
-        ({"warmup_steps": 2, "total_steps": 0}, "total_steps must be >= 1"),
+        ({"warmup_steps": -1, "total_steps": 10}, "warmup_steps must be an int >= 0"),
+        ({"warmup_steps": 2.5, "total_steps": 10}, r"warmup_steps must be an int >= 0, got 2\.5"),
+        ({"warmup_steps": True, "total_steps": 10}, "warmup_steps must be an int"),
+        ({"warmup_steps": 2, "total_steps": 0}, "total_steps must be an int >= 1"),
+        ({"warmup_steps": 2, "total_steps": 10.0}, "total_steps must be an int >= 1"),
         ({"warmup_steps": 2, "total_steps": 10, "min_lr_ratio": 1.5}, "min_lr_ratio"),
         ({"warmup_steps": 2, "total_steps": 10, "min_lr_ratio": -0.1}, "min_lr_ratio"),
+        ({"warmup_steps": 2, "total_steps": 10, "min_lr_ratio": "0"}, "min_lr_ratio"),
     ],
 )
 def test_argument_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         WarmupCosineLR(sgd(1.0), **kwargs)
+
+
+def test_a_warm_up_longer_than_the_schedule_warns():
+    with pytest.warns(UserWarning, match="warmup_steps=12 is more than the schedule's 10 steps"):
+        WarmupCosineLR(sgd(1.0), warmup_steps=12, total_steps=10)
 
 
 def test_factor_past_the_end_stays_at_the_minimum():

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import re
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -27,6 +28,7 @@ from lightning_offload_optim.lightning.checkpoint import (
 from lightning_offload_optim.lightning.schedule import (
     LINKED_GROUP_KEY,
     WarmupCosineLR,
+    check_schedule,
     link_hand_set_lrs,
 )
 
@@ -41,6 +43,21 @@ NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
 #: Class names of normalisation modules outside torch.nn: LlamaRMSNorm, T5LayerNorm,
 #: FusedRMSNorm, LayerNorm2d, GroupNorm32, LayerNormalization...
 NORM_CLASS_NAME = re.compile(r"norm(alization)?\d*d?$", re.IGNORECASE)
+#: The OffloadAdamW argument each hparam sets.
+ARGUMENT_OF_HPARAM = {
+    "lr": "lr",
+    "learning_rate": "lr",
+    "betas": "betas",
+    "beta1": "betas",
+    "beta2": "betas",
+    "eps": "eps",
+    "weight_decay": "weight_decay",
+    "amsgrad": "amsgrad",
+    "offload_chunk_size": "chunk_size",
+    "offload_pin_memory": "pin_memory",
+    "offload_enabled": "enabled",
+    "offload_resident": "resident",
+}
 
 
 def is_norm_module(module: torch.nn.Module) -> bool:
@@ -145,14 +162,28 @@ class OffloadOptimizerMixin:
             )
 
     def offload_hparam(self, name: str) -> Any:
-        """``self.hparams[name]`` if saved, else the documented default."""
+        """``self.hparams[name]`` if saved, else the documented default (with a warning where
+        ``__init__`` takes it: ``save_hyperparameters()`` was forgotten)."""
         hparams = getattr(self, "hparams", {})
         if name == "lr" and "lr" not in hparams and "learning_rate" in hparams:
             return hparams["learning_rate"]
         if name == "betas" and "betas" not in hparams and {"beta1", "beta2"} & hparams.keys():
             beta1, beta2 = self.offload_defaults["betas"]
             return (hparams.get("beta1", beta1), hparams.get("beta2", beta2))
-        return hparams.get(name, self.offload_defaults[name])
+        if name in hparams:
+            return hparams[name]
+        default = self.offload_defaults[name]
+        argument = ARGUMENT_OF_HPARAM.get(name)
+        aliases = {alias for alias, of in ARGUMENT_OF_HPARAM.items() if of == argument} | {name}
+        if taken := sorted(aliases & _init_parameters(type(self))):
+            warnings.warn(
+                f"{type(self).__name__}.__init__ takes {', '.join(map(repr, taken))}, but "
+                f"self.hparams does not hold it: OffloadOptimizerMixin uses the default "
+                f"{name}={default!r}. It reads self.hparams: call self.save_hyperparameters() "
+                "in __init__.",
+                stacklevel=2,
+            )
+        return default
 
     def offload_param_groups(self) -> list[dict[str, Any]]:
         """Trainable parameters in two groups: decayed, and biases/norm weights without decay."""
@@ -172,7 +203,7 @@ class OffloadOptimizerMixin:
         args: dict[str, Any] = {
             "params": self.offload_param_groups(),
             "lr": self.offload_hparam("lr"),
-            "betas": tuple(self.offload_hparam("betas")),
+            "betas": _as_tuple(self.offload_hparam("betas")),  # a list from YAML too, not 0.9
             "eps": self.offload_hparam("eps"),
             "weight_decay": self.offload_hparam("weight_decay"),
             "amsgrad": self.offload_hparam("amsgrad"),
@@ -200,7 +231,21 @@ class OffloadOptimizerMixin:
 
     def configure_optimizers(self) -> Any:
         """OffloadAdamW, with the warm-up/cosine schedule when the hyperparameters ask for it."""
-        optimizer = OffloadAdamW(**self.offload_optimizer_args())
+        try:
+            optimizer = OffloadAdamW(**self.offload_optimizer_args())
+        except (TypeError, ValueError) as error:  # it names the argument: say which hparam
+            hparams = getattr(self, "hparams", {})
+            named = [
+                f"{name}={hparams[name]!r} ({argument})"
+                for name, argument in ARGUMENT_OF_HPARAM.items()
+                if name in hparams
+            ]
+            if named:
+                error.add_note(
+                    "OffloadOptimizerMixin took OffloadAdamW's arguments from the hparams "
+                    + ", ".join(named)
+                )
+            raise
         if optimizer.enabled:
             _refuse_deepspeed(getattr(self, "_trainer", None))
         if self.offload_hparam("overlap_step") and optimizer.enabled:
@@ -209,7 +254,9 @@ class OffloadOptimizerMixin:
         if self.offload_hparam("no_decay_norm_and_bias"):
             assert isinstance(self, torch.nn.Module)
             split_groups_added_later(optimizer, self)
-        warmup = int(self.offload_hparam("warmup_steps"))
+        warmup = self.offload_hparam("warmup_steps")
+        min_lr_ratio = self.offload_hparam("min_lr_ratio")
+        check_schedule(warmup, None, min_lr_ratio)
         schedule = self.offload_hparam("lr_schedule")
         if schedule not in (None, "cosine", "constant"):
             raise ValueError(f"lr_schedule must be None, 'constant' or 'cosine', got {schedule!r}")
@@ -225,9 +272,7 @@ class OffloadOptimizerMixin:
                     "needs the module attached to a Trainer with max_steps or max_epochs set"
                 )
             total = int(estimate)
-        scheduler = WarmupCosineLR(
-            optimizer, warmup, total, float(self.offload_hparam("min_lr_ratio"))
-        )
+        scheduler = WarmupCosineLR(optimizer, warmup, total, min_lr_ratio)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
@@ -382,6 +427,19 @@ def _watch_training_step(module: OffloadOptimizerMixin) -> None:
 
     watched._offload_watch = True  # type: ignore[attr-defined]
     module.training_step = watched  # type: ignore[method-assign]
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+
+
+@functools.cache
+def _init_parameters(cls: type) -> frozenset[str]:
+    """Names ``cls.__init__`` takes."""
+    try:
+        return frozenset(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):  # no signature to read (a C or wrapped __init__)
+        return frozenset()
 
 
 def _refuse_deepspeed(trainer: pl.Trainer | None) -> None:

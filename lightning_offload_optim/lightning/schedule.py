@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_offload_optim.validation import is_int, is_number
+
 #: Param groups that share a value under this key take a hand-set learning rate together (the
 #: decayed and non-decayed halves the mixin splits an added group into).
 LINKED_GROUP_KEY = "lr_link"
@@ -36,6 +38,22 @@ def link_hand_set_lrs(groups: Sequence[dict[str, Any]], previous: Sequence[float
         values = hand_set.get(group[LINKED_GROUP_KEY], ()) if LINKED_GROUP_KEY in group else ()
         if len(values) == 1:
             group["lr"] = next(iter(values))
+
+
+def check_schedule(warmup_steps: Any, total_steps: Any, min_lr_ratio: Any) -> None:
+    """Refuse a schedule shape :class:`WarmupCosineLR` cannot follow (``2.5`` warm-up steps
+    too: it is not rounded); warn where the warm-up outlasts the schedule."""
+    if not is_int(warmup_steps) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if total_steps is not None and (not is_int(total_steps) or total_steps < 1):
+        raise ValueError(f"total_steps must be an int >= 1 or None, got {total_steps!r}")
+    if not is_number(min_lr_ratio) or not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be a number in [0, 1], got {min_lr_ratio!r}")
+    if total_steps is not None and warmup_steps > total_steps:
+        rank_zero_warn(
+            f"warmup_steps={warmup_steps} is more than the schedule's {total_steps} steps: the "
+            "learning rate never reaches its peak"
+        )
 
 
 class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
@@ -77,12 +95,7 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
         min_lr_ratio: float = 0.0,
         last_epoch: int = -1,
     ) -> None:
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        if total_steps is not None and total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1 or None, got {total_steps}")
-        if not 0.0 <= min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        check_schedule(warmup_steps, total_steps, min_lr_ratio)
         self.warmup_steps = warmup_steps
         self.total_steps = total_steps
         self.min_lr_ratio = min_lr_ratio
