@@ -199,6 +199,8 @@ class OffloadMonitor(Callback):
             return
         self._fold_pending()
         logged = self._compute_and_reset(pl_module)  # on every rank: it reduces across them
+        if self.prog_bar:  # as every row
+            logged[f"{self.prefix}memory_saved_gb"] = self._saved_at_train_end / 1e9
         self._unlogged = False
         step = max(0, trainer.fit_loop.epoch_loop._batches_that_stepped - 1)  # the last batch's
         for logger in trainer.loggers:
