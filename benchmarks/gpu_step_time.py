@@ -8,7 +8,7 @@ bound this machine actually has: ``bytes each way / min(concurrent h2d, d2h rate
 (issue 8) is a step within 1.15x of that measured bound. Figures come from one run, side by
 side; written to ``gpu_step_time.{json,csv,png}``.
 
-    python benchmarks/gpu_step_time.py --out docs/figures     # ~2 minutes on an H200
+    python benchmarks/gpu_step_time.py --out docs/figures  # sized for ~2 min on an H200 (estimate)
 """
 
 from __future__ import annotations
