@@ -247,6 +247,55 @@ def test_resident_share_moves_only_the_rest(tmp_path, share, overlap):
         assert m[P + "resident_bytes"] == resident
 
 
+class KeepsCheckpoints(Callback):
+    def __init__(self) -> None:
+        self.kept: list[dict] = []
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.kept.append(checkpoint)  # as an asynchronous writer does, to save it later
+
+
+def test_saved_totals_are_a_snapshot_not_the_live_totals(tmp_path):
+    """A checkpoint dict kept past its save holds the totals of its step, not later ones."""
+    monitor, keeper = OffloadMonitor(summary=False), KeepsCheckpoints()
+    saver = ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=2, save_top_k=-1)
+    model = TinyModel(force_staging=True, offload_resident=0.9)
+    callbacks = [monitor, saver, keeper]
+    trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, max_steps=6).fit(model)
+    assert len(keeper.kept) == 3
+    key = monitor.state_key
+    for step, kept in zip((2, 4, 6), keeper.kept, strict=True):
+        on_disk = torch.load(tmp_path / "ckpt" / f"step={step}.ckpt", weights_only=False)
+        assert kept["callbacks"][key]["totals"] == on_disk["callbacks"][key]["totals"]
+        assert on_disk["callbacks"][key]["totals"]["steps"] == step
+
+
+class KeyedMonitor(OffloadMonitor):
+    """A monitor with a state key of its own, as Lightning asks of a callback used twice."""
+
+    @property
+    def state_key(self) -> str:
+        return f"OffloadMonitor[{self.prefix}]"
+
+
+def saved_bytes(tmp_path, monitor: OffloadMonitor) -> dict:
+    saver = ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=4, save_top_k=-1)
+    model = TinyModel(force_staging=True, offload_resident=0.9)
+    trainer(tmp_path, callbacks=[monitor, saver], enable_checkpointing=True, max_steps=4).fit(model)
+    saved = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)["callbacks"]
+    totals = saved[monitor.state_key]["totals"]
+    return {k: totals[k] for k in ("steps", "bytes_in", "bytes_out")}
+
+
+def test_a_monitor_with_its_own_state_key_saves_the_write_back_too(tmp_path):
+    plain = saved_bytes(tmp_path / "plain", OffloadMonitor(summary=False))
+    keyed = saved_bytes(tmp_path / "keyed", KeyedMonitor(summary=False, prefix="x/"))
+    assert keyed == plain
+    # In: the whole state, then the resident part once and the rest per step. Out: the same,
+    # the resident part by the write-back that reading the state for the checkpoint made.
+    assert plain["bytes_in"] == plain["bytes_out"] and plain["steps"] == 4
+
+
 class Validated(TinyModel):
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import warnings
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -289,6 +290,43 @@ def test_a_mixin_whose_optimizer_args_need_a_trainer_is_planned_in_declared_orde
         planned = plan(NeedsTrainer(), resident=16000, **MACHINE)
     assert w[0].filename == __file__
     assert planned.resident_bytes == 8000 + 800 + 80  # declared order: the first bias fits first
+
+
+class BareTensorGroups(TwoLayers):
+    """Groups whose "params" is one tensor, as torch's add_param_group takes it."""
+
+    def offload_param_groups(self) -> list:
+        return [{"params": self.first.weight}, {"params": self.second.weight}]
+
+
+class LeavesOutABias(TwoLayers):
+    def offload_param_groups(self) -> list:
+        return [{"params": [p for n, p in self.named_parameters() if n != "second.bias"]}]
+
+
+def test_a_group_given_one_tensor_is_planned_over_that_tensor():
+    """Not over the tensor's rows, as parameters of their own."""
+    module = BareTensorGroups(offload_resident=0)
+    expected = plan(module, pin_memory=False, **MACHINE)
+    assert expected.parameters == 2110 and expected.trainable == 2000
+    assert expected.state_bytes == 8 * (1000 + 1000)
+    assert expected.memory_stats() == take_steps(module.configure_optimizers(), 2).memory_stats()
+
+
+def test_parameters_the_groups_leave_out_still_count_as_the_models_weights():
+    module = LeavesOutABias(offload_resident=0)
+    planned, whole = plan(module, **MACHINE), plan(TwoLayers(offload_resident=0), **MACHINE)
+    assert planned.parameters == sum(p.numel() for p in module.parameters()) == 2110
+    assert planned.trainable == 2100
+    assert planned.offload.gpu.params == whole.offload.gpu.params
+
+
+def test_a_plain_module_is_planned_without_a_warning():
+    """Only a mixin module has optimizer arguments to read (and to warn about)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planned = plan(nn.Linear(10, 10), **MACHINE)
+    assert planned.trainable == 110
 
 
 def test_resident_auto_takes_what_headroom_and_margin_leave_by_hand():
