@@ -468,8 +468,8 @@ def _optimized(module: nn.Module) -> list[Tensor] | None:
         items = [params] if isinstance(params, Tensor) else list(params)
         return [item[1] if isinstance(item, tuple) else item for item in items]  # (name, p)
 
-    items = [given] if isinstance(given, Tensor) else list(given)
-    return [p for i in items for p in tensors(i["params"] if isinstance(i, dict) else [i])]
+    # Not a bare tensor: torch's optimizers refuse one (an iterable of tensors or dicts).
+    return [p for i in given for p in tensors(i["params"] if isinstance(i, dict) else [i])]
 
 
 def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:
