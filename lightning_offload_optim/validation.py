@@ -35,7 +35,8 @@ def _kind(value: Any) -> str:
     repr cut at 80 characters (a list given for a moment prints no whole list)."""
     if isinstance(value, Tensor):
         kind = f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-        if value.numel() == 1 and value.device.type != "meta":
+        # Not a DTensor's: reading one element of a sharded tensor is a collective.
+        if value.numel() == 1 and type(value) is Tensor and value.device.type != "meta":
             kind += f" holding {value.item()!r}"
         return kind
     text = repr(value)
@@ -86,10 +87,9 @@ def group_hyperparameters(group: Mapping[str, Any], index: int) -> Hyperparamete
     return check_hyperparameters(group, f"param group {index}")
 
 
-def check_hyperparameters(values: Mapping[str, Any], where: str) -> Hyperparameters:
+def check_hyperparameters(group: Mapping[str, Any], where: str) -> Hyperparameters:
     """Check AdamW hyperparameters (a param group's, or the optimizer's arguments), naming
     ``where`` they come from in an error."""
-    group = values
     lr = group.get("lr")
     if isinstance(lr, Tensor):
         if lr.numel() != 1 or not lr.is_floating_point():
