@@ -8,8 +8,9 @@ parameters after their update, on the device (the host never blocks):
   module's own parameters (so the first layers compute while later layers' state still
   streams); it runs before other pre-hooks, FSDP2's all-gather among them;
 - the root module's pre-hook also waits for optimized parameters that no module of the tree
-  owns (used functionally), and its ``state_dict`` pre-hook waits for all (checkpoints), as
-  does every module's ``load_state_dict`` pre-hook (a load writes the parameters);
+  owns (used functionally), and every module's ``state_dict`` pre-hook waits for all
+  (checkpoints, of the whole model or a part), as does every module's ``load_state_dict``
+  pre-hook (a load writes the parameters);
 - the first gradient the next backward pass computes for any parameter of the module (or any
   stepped one) waits for all updates: the backward may write gradients the updates still
   read, and not only where a gradient was kept: ``DistributedDataParallel(
@@ -133,12 +134,18 @@ class ForwardOverlap:
                 self._hook_block(child, run)
             elif params := list(child.parameters(recurse=False)):
                 self._hook_forward(child, self._waits_for(params))
-        self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.wait_all()))
 
-        def before_load(*_: Any) -> None:  # a function: a deep copy of the module shares it
+        def before_save(*_: Any) -> None:  # functions: a deep copy of the module shares them
+            self.wait_all()
+
+        def before_load(*_: Any) -> None:
             self._join_if_pending()
 
-        for child in module.modules():  # a load writes the parameters: after their updates
+        # Any module's: a submodule saved alone (a backbone, an adapter), and the module a
+        # wrapper saves instead of itself (Fabric's reads the one it wraps). A load writes the
+        # parameters: after their updates.
+        for child in module.modules():
+            self._handles.append(child.register_state_dict_pre_hook(before_save))
             self._handles.append(child.register_load_state_dict_pre_hook(before_load))
         self._hook_gradients(module.parameters())
         after_forward, begin, end = map(
