@@ -14,7 +14,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 from typing import Any
 
 import torch
@@ -90,6 +90,28 @@ def _resolve_pin_memory(pin_memory: bool | None) -> bool:
     return bool(pin_memory)
 
 
+def _unwrapped(optimizer: OffloadAdamW) -> OffloadAdamW:
+    """The optimizer that Lightning's ``LightningOptimizer`` (what ``self.optimizers()``
+    returns) or Fabric's optimizer wrapper stands for; ``optimizer`` itself otherwise. Both
+    wrappers subclass the wrapped optimizer's class and forward reads of its attributes, not
+    writes: one of its methods run on the wrapper would keep what it sets there (an overlap,
+    a resident share) where the optimizer's own ``step()`` never sees it."""
+    while isinstance(inner := vars(optimizer).get("_optimizer"), OffloadAdamW):
+        optimizer = inner
+    return optimizer
+
+
+def _on_the_optimizer(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` on the optimizer a Lightning or Fabric wrapper stands for (see
+    :func:`_unwrapped`)."""
+
+    @wraps(method)
+    def run(self: OffloadAdamW, *args: Any, **kwargs: Any) -> Any:
+        return method(_unwrapped(self), *args, **kwargs)
+
+    return run
+
+
 class OffloadAdamW(torch.optim.AdamW):
     """AdamW whose state (moments, and an fp32 master copy of bf16/fp16 params) lives in host RAM.
 
@@ -158,7 +180,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self.enabled = enabled
         self.chunk_size = chunk_size - chunk_size % SPLIT_ALIGNMENT
         self.force_staging = force_staging
-        self.resident = check_resident(resident)
+        self.resident = resident
         self.pin_memory = _resolve_pin_memory(pin_memory) if self.enabled else False
         try:
             super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
@@ -169,6 +191,16 @@ class OffloadAdamW(torch.optim.AdamW):
             )
             raise
         self._start_offload()
+
+    @property
+    def resident(self) -> float | int | str | None:
+        """The state to keep on the device (see the class's ``resident`` argument). Set anew,
+        it is checked at once and followed from the next step."""
+        return self._resident
+
+    @resident.setter
+    def resident(self, resident: float | int | str | None) -> None:
+        _unwrapped(self)._resident = check_resident(resident)
 
     def _start_offload(self) -> None:
         """The host store, pipeline and caches (at construction and when copied or unpickled)."""
@@ -185,6 +217,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._next_chunks: list[Chunk] = []
         self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
 
+    @_on_the_optimizer
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, but a parameter listed twice in one group is refused (torch only warns,
         then steps it twice per step). Groups record ``fused=True``: that is the kernel used,
@@ -291,6 +324,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 raise
         return loss
 
+    @_on_the_optimizer
     def overlap_with(
         self, module: torch.nn.Module, blocks: Iterable[torch.nn.Module] = ()
     ) -> ForwardOverlap:
@@ -308,8 +342,9 @@ class OffloadAdamW(torch.optim.AdamW):
         what it compiled before (``torch._dynamo.reset_code_caches()``).
 
         ``zero_grad()``, ``state_dict()``, ``load_state_dict()``, the next ``step()`` and
-        ``module.state_dict()`` wait by themselves; call :meth:`wait_for_updates` before reading
-        parameters any other way between a step and the next forward pass. Returns the hooks'
+        ``state_dict()`` of ``module`` or any submodule wait by themselves; call
+        :meth:`wait_for_updates` before reading parameters any other way between a step and
+        the next forward pass. Returns the hooks'
         owner; ``.remove()`` it to step synchronously again (it waits for the queued updates).
         Only staged devices (GPUs) overlap; CPU parameters are updated in place at once.
 
@@ -344,7 +379,7 @@ class OffloadAdamW(torch.optim.AdamW):
         their state lies: a resumed run (laid out in declaration order) keeps what the
         uninterrupted run (laid out in forward order) keeps.
         """
-        resident = check_resident(self.resident)  # also a value set after construction
+        resident = self.resident
         arenas = [a for a in self._host.arenas if self._pipeline.stages(a.device)]
         overlap = self._overlapping()
         known = len(overlap.order) if overlap is not None else None
@@ -378,6 +413,7 @@ class OffloadAdamW(torch.optim.AdamW):
         overlap = self._overlap
         return overlap if overlap is not None and not overlap.removed else None
 
+    @_on_the_optimizer
     def wait_for_updates(self) -> None:
         """Order the current streams after every update queued so far (on the device; the host
         does not block). Needed only with :meth:`overlap_with`, before reading parameters
@@ -392,6 +428,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self.wait_for_updates()
         self._pipeline.wait_host()
 
+    @_on_the_optimizer
     def release_device_memory(self) -> None:
         """Free what this optimizer holds on the devices: its staging buffers, the resident
         state (written back to the host first) and its cached views of the parameters, which
@@ -421,6 +458,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._next_chunks = []
         self._resident_for = ()  # chosen again at the next step
 
+    @_on_the_optimizer
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's. With overlap, dropping the gradients (``set_to_none=True``, the default)
         needs no wait: the caching allocator keeps their memory until the queued updates have
@@ -618,6 +656,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 torch._foreach_copy_(lists.params, targets)
 
     # ------------------------------------------------------------ checkpoints
+    @_on_the_optimizer
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's format, loadable by it: per parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (and ``max_exp_avg_sq``), plus ``master_param`` for bf16/fp16 params.
@@ -653,6 +692,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 state_dict["state"][index] = {**state_dict["state"][index], **_views(param, slot)}
         return state_dict
 
+    @_on_the_optimizer
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this optimizer or of ``torch.optim.AdamW``.
 
@@ -873,10 +913,11 @@ class OffloadAdamW(torch.optim.AdamW):
             super().__setstate__(state)  # torch's load_state_dict installing the loaded state
             return
         state = dict(state)
-        state.setdefault("resident", None)  # pickled before the setting existed
+        resident = state.pop("resident", None)  # None: pickled before the setting existed
         offloaded = state.pop("offloaded", [])
         interrupted = state.pop("interrupted", None)
         super().__setstate__(state)
+        self.resident = resident
         self._start_offload()
         self._interrupted = interrupted
         requests, sources = [], []
@@ -894,6 +935,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._host.adopt(slots)
 
     # ------------------------------------------------------------ inspection
+    @_on_the_optimizer
     def offloaded_state(self, param: Tensor) -> dict[str, Tensor]:
         """A copy of ``param``'s offloaded state, shaped like it: ``exp_avg``, ``exp_avg_sq``,
         ``max_exp_avg_sq`` (amsgrad) and ``master_param`` (bf16/fp16 params), all fp32 on the host
@@ -920,6 +962,7 @@ class OffloadAdamW(torch.optim.AdamW):
         """
         return self._pipeline.last_record
 
+    @_on_the_optimizer
     def take_copies_between_steps(self) -> StepRecord:
         """The copies queued since the latest step, which the next step's record would
         include: those of the next step's first chunks queued during a forward pass, and
@@ -928,6 +971,7 @@ class OffloadAdamW(torch.optim.AdamW):
         them so when training ends and no step follows."""
         return self._pipeline.take_between_steps()
 
+    @_on_the_optimizer
     def memory_stats(self) -> dict[str, int | bool]:
         """Memory the optimizer holds, in bytes.
 

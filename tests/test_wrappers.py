@@ -1,0 +1,195 @@
+"""OffloadAdamW behind Lightning's and Fabric's wrappers.
+
+``self.optimizers()`` in a LightningModule returns a ``LightningOptimizer``, and
+``fabric.setup`` returns a Fabric optimizer and a Fabric module; the optimizer wrappers subclass
+OffloadAdamW's class and forward attribute reads to it, not writes. Every method called on them
+must act on the optimizer itself: results equal torch's fused AdamW and, under the stream
+checker (on for every test here), every access is ordered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import MasterCopyAdamW, assert_same, assert_state_offloaded
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from test_overlap import Net
+
+from lightning_offload_optim import OffloadAdamW
+
+LR = 0.05
+
+
+def fabric(precision: str = "32-true") -> L.Fabric:
+    return L.Fabric(accelerator="cpu", devices=1, precision=precision)
+
+
+def wrapped(kind: str, resident: float | None = None) -> tuple[torch.nn.Module, OffloadAdamW, Any]:
+    """A ``Net``, OffloadAdamW over it (staged) and the wrapper a user would call it through."""
+    model = Net()
+    optimizer = OffloadAdamW(
+        model.parameters(), lr=LR, force_staging=True, chunk_size=64, resident=resident
+    )
+    if kind == "lightning":
+        return model, optimizer, LightningOptimizer(optimizer)
+    model, wrapper = fabric().setup(model, optimizer)
+    return model, optimizer, wrapper
+
+
+def tokens(generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 10, (4, 5), generator=generator)
+
+
+def step_alike(model, optimizer, reference, ref_opt, generator: torch.Generator) -> None:
+    """One step of each pair on the same tokens (``optimizer`` through its wrapper, if one)."""
+    batch = tokens(generator)
+    for net, opt in ((model, optimizer), (reference, ref_opt)):
+        net(batch).logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+WRAPPERS = ["lightning", "fabric"]
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_overlap_set_through_a_wrapper_overlaps_the_optimizers_steps(stream_order, kind):
+    """``wrapper.overlap_with(model)``: the optimizer's own step returns before its updates
+    (Lightning and Fabric step the optimizer, not the wrapper), using the first chunks the
+    forward copied in, and ends where torch's does."""
+    model, optimizer, wrapper = wrapped(kind)
+    wrapper.overlap_with(model)
+    reference = Net()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, fused=True)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        step_alike(model, optimizer, reference, ref_opt, generator)
+    update = optimizer._pipeline._streams[torch.device("cpu")].update
+    assert stream_order.current.clock.get(update.id, 0) < update.clock[update.id]
+    moved = optimizer.last_step.resolve()  # each chunk once: the forward's copies were used
+    assert moved.bytes_in == moved.bytes_out == optimizer.memory_stats()["state_bytes"]
+    wrapper.wait_for_updates()
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_release_and_a_resident_share_set_through_a_wrapper_reach_the_optimizer(stream_order, kind):
+    """``release_device_memory()`` through a wrapper frees the resident state, which the next
+    step keeps again; ``wrapper.resident = 0.0`` drops it from the next step on."""
+    model, optimizer, wrapper = wrapped(kind, resident=1.0)
+    optimizer.overlap_with(model)
+    reference = Net()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, fused=True)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        step_alike(model, optimizer, reference, ref_opt, generator)
+    full = optimizer.memory_stats()["resident_bytes"]
+    assert full == optimizer.memory_stats()["state_bytes"]
+    wrapper.release_device_memory()
+    assert optimizer.memory_stats()["resident_bytes"] == 0
+    step_alike(model, optimizer, reference, ref_opt, generator)
+    assert optimizer.memory_stats()["resident_bytes"] == full
+    wrapper.resident = 0.0
+    assert optimizer.resident == 0.0
+    step_alike(model, optimizer, reference, ref_opt, generator)
+    assert optimizer.memory_stats()["resident_bytes"] == 0
+    optimizer.wait_for_updates()
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_a_state_dict_loaded_through_a_wrapper_reaches_the_optimizer(stream_order, kind):
+    """Saved through one wrapper, loaded through another into a fresh optimizer, which then
+    steps as the uninterrupted torch AdamW does."""
+    model, optimizer, wrapper = wrapped(kind)
+    reference = Net()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, fused=True)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        step_alike(model, optimizer, reference, ref_opt, generator)
+    saved = wrapper.state_dict()
+    resumed, resumed_opt, resumed_wrapper = wrapped(kind)
+    resumed.load_state_dict(model.state_dict())
+    resumed_wrapper.load_state_dict(saved)
+    assert_state_offloaded(resumed_opt, list(resumed.parameters()))
+    for _ in range(2):
+        step_alike(resumed, resumed_opt, reference, ref_opt, generator)
+    stream_order.expect_none()
+    assert_same(list(resumed.parameters()), list(reference.parameters()))
+
+
+def test_a_fabric_modules_state_dict_waits_for_the_updates(stream_order):
+    """Fabric's module reads the module it wraps for ``state_dict()``: with the overlap set on
+    the Fabric module, that read still waits for the queued updates."""
+    model, optimizer, wrapper = wrapped("fabric")
+    optimizer.overlap_with(model)
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        model(tokens(generator)).logsumexp(-1).mean().backward()
+        wrapper.step()
+        wrapper.zero_grad()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    stream_order.expect_none()
+    optimizer.wait_for_updates()
+    assert_same(list(weights.values()), list(model.state_dict().values()))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_fabric_trains_clips_saves_and_resumes_as_torch_adamw(
+    stream_order, tmp_path, precision, overlap
+):
+    """``fabric.setup``, ``fabric.backward``, ``fabric.clip_gradients``, ``fabric.save`` and
+    ``fabric.load`` into a new model and optimizer: each step as torch's AdamW on the same
+    gradients (bf16: fused AdamW on fp32 master copies), the state kept on the host."""
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    reference = Net().to(dtype)
+    groups = [{"params": list(reference.parameters())}]
+    ref_opt = (
+        MasterCopyAdamW(groups, lr=LR)
+        if dtype == torch.bfloat16
+        else torch.optim.AdamW(groups, lr=LR, fused=True)
+    )
+    generator = torch.Generator().manual_seed(5)
+    batches = [tokens(generator) for _ in range(5)]
+
+    def setup() -> tuple[L.Fabric, torch.nn.Module, OffloadAdamW]:
+        runner = fabric(precision)
+        net = Net()
+        model, optimizer = runner.setup(
+            net, OffloadAdamW(net.parameters(), lr=LR, force_staging=True, chunk_size=64)
+        )
+        if overlap:
+            optimizer.overlap_with(model)
+        return runner, model, optimizer
+
+    def train(runner, model, optimizer, batch) -> None:
+        runner.backward(model(batch).logsumexp(-1).mean())
+        runner.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    runner, model, optimizer = setup()
+    for batch in batches[:3]:
+        train(runner, model, optimizer, batch)
+    runner.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
+    runner, model, optimizer = setup()
+    runner.load(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
+    assert_state_offloaded(optimizer.optimizer, list(model.parameters()))
+    for batch in batches[3:]:
+        train(runner, model, optimizer, batch)
+    for batch in batches:
+        reference(batch).float().logsumexp(-1).mean().backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    optimizer.wait_for_updates()
+    stream_order.expect_none()
+    params = list(model.parameters())
+    assert {p.dtype for p in params} == {dtype}
+    assert_same(params, list(reference.parameters()))
