@@ -12,6 +12,7 @@ import torch
 from conftest import (
     MasterCopyAdamW,
     assert_same,
+    assert_state_offloaded,
     clamp_alike,
     clone_params,
     forked_child_memory_map,
@@ -584,6 +585,65 @@ def test_bf16_weights_clamped_between_overlapped_steps_keep_the_clamp_on_cuda():
     ours = optimizer.state_dict()["state"]
     expected = [masters.masters[r] for r in reference.parameters()]
     assert_same([ours[i]["master_param"] for i in sorted(ours)], expected)
+    assert optimizer.memory_stats()["resident_bytes"] > 0
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_fabric_overlapped_saves_right_after_a_step_and_resumes_like_torch_on_cuda(
+    tmp_path, precision
+):
+    """Lightning Fabric on one GPU: the overlap set through Fabric's optimizer and module, half
+    the state resident, ``fabric.save`` right after a step (the weights it writes are read after
+    the queued updates) and ``fabric.load`` into a new model and optimizer (the state stays on
+    the host); every step as torch's fused AdamW (bf16: on fp32 masters) on the same model."""
+    import lightning as L
+
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    batches = [torch.randn(2048, 1024, device=CUDA, generator=generator) for _ in range(4)]
+
+    def setup() -> tuple[L.Fabric, nn.Module, OffloadAdamW]:
+        fabric = L.Fabric(accelerator="cuda", devices=1, precision=precision)
+        stack = Stack()
+        optimizer = OffloadAdamW(
+            stack.parameters(), lr=1e-3, weight_decay=0.1, chunk_size=CHUNK, resident=0.5
+        )
+        model, optimizer = fabric.setup(stack, optimizer)
+        optimizer.overlap_with(model)
+        return fabric, model, optimizer
+
+    def train(fabric: L.Fabric, model: nn.Module, optimizer: OffloadAdamW, x) -> None:
+        fabric.backward(model(x))
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    fabric, model, optimizer = setup()
+    for x in batches[:2]:
+        train(fabric, model, optimizer, x)
+    fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
+    saved = torch.load(tmp_path / "fabric.ckpt", weights_only=True)["model"]
+    fabric, model, optimizer = setup()
+    fabric.load(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
+    assert_state_offloaded(optimizer.optimizer, list(model.parameters()))
+    for x in batches[2:]:
+        train(fabric, model, optimizer, x)
+
+    reference = Stack().to(CUDA, dtype)
+    groups = [{"params": list(reference.parameters())}]
+    reference_opt = (
+        MasterCopyAdamW(groups, lr=1e-3, weight_decay=0.1)
+        if dtype == torch.bfloat16
+        else torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1, fused=True)
+    )
+    for i, x in enumerate(batches):
+        reference(x.to(dtype)).float().backward()  # as Fabric casts the input and the loss
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        reference_opt.step()
+        reference_opt.zero_grad()
+        if i == 1:
+            assert_same(list(saved.values()), list(reference.state_dict().values()))
+    assert_same(list(model.state_dict().values()), list(reference.state_dict().values()))
     assert optimizer.memory_stats()["resident_bytes"] > 0
 
 
