@@ -95,8 +95,12 @@ def _unwrapped(optimizer: OffloadAdamW) -> OffloadAdamW:
     returns) or Fabric's optimizer wrapper stands for; ``optimizer`` itself otherwise. Both
     wrappers subclass the wrapped optimizer's class and forward reads of its attributes, not
     writes: one of its methods run on the wrapper would keep what it sets there (an overlap,
-    a resident share) where the optimizer's own ``step()`` never sees it."""
-    while isinstance(inner := vars(optimizer).get("_optimizer"), OffloadAdamW):
+    a resident share) where the optimizer's own ``step()`` never sees it. An OffloadAdamW
+    itself (its host store set) is never taken for a wrapper, whatever it keeps."""
+    while "_host" not in vars(optimizer):
+        inner = vars(optimizer).get("_optimizer")
+        if not isinstance(inner, OffloadAdamW):
+            break
         optimizer = inner
     return optimizer
 

@@ -135,8 +135,13 @@ class ForwardOverlap:
             elif params := list(child.parameters(recurse=False)):
                 self._hook_forward(child, self._waits_for(params))
 
-        def before_save(*_: Any) -> None:  # functions: a deep copy of the module shares them
-            self.wait_all()
+        def before_save(_module: nn.Module, prefix: str, *_: Any) -> None:
+            # The module saved (no prefix) waits; its submodules then find nothing pending.
+            # (Functions, not methods: a deep copy of the module shares them.)
+            if prefix:
+                self._join_if_pending()
+            else:
+                self.wait_all()
 
         def before_load(*_: Any) -> None:
             self._join_if_pending()

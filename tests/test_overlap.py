@@ -136,6 +136,19 @@ def test_weights_saved_right_after_a_step_are_read_after_its_updates(stream_orde
     assert_same(weights, list(twin.state_dict().values()))
 
 
+def test_saving_the_module_waits_once_not_once_per_submodule(stream_order, monkeypatch):
+    """Each submodule's ``state_dict`` pre-hook runs inside the module's: only the module saved
+    makes the caller's stream wait (on a GPU an event per wait)."""
+    model, optimizer = overlapped()
+    train(model, optimizer, 2)
+    joins = []
+    real = optimizer._pipeline.join_updates
+    monkeypatch.setattr(optimizer._pipeline, "join_updates", lambda: joins.append(real()))
+    model.state_dict()
+    assert len(joins) == 1
+    stream_order.expect_none()
+
+
 @pytest.mark.parametrize("read_by", ["forward", "state_dict"])
 def test_a_parameter_written_before_its_update_was_waited_for_is_reported(stream_order, read_by):
     """A clamp right after step(), before anything waited for the updates, races with them on

@@ -123,6 +123,25 @@ def test_a_state_dict_loaded_through_a_wrapper_reaches_the_optimizer(stream_orde
     assert_same(list(resumed.parameters()), list(reference.parameters()))
 
 
+def test_an_optimizer_keeping_another_under_the_wrappers_name_acts_on_itself(stream_order):
+    """Only a wrapper (no host store of its own) stands for the optimizer under ``_optimizer``:
+    a subclass keeping another OffloadAdamW there steps, saves and is set as itself."""
+
+    class WithShadow(OffloadAdamW):
+        def __init__(self, params, shadow) -> None:
+            super().__init__(params, lr=LR, force_staging=True, chunk_size=64)
+            self._optimizer = OffloadAdamW(shadow, lr=LR)
+
+    model, reference = Net(), Net()
+    optimizer = WithShadow(model.parameters(), Net().parameters())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, fused=True)
+    step_alike(model, optimizer, reference, ref_opt, torch.Generator().manual_seed(6))
+    assert sorted(optimizer.state_dict()["state"]) == sorted(ref_opt.state_dict()["state"])
+    optimizer.resident = 0.5
+    assert optimizer.resident == 0.5 and optimizer._optimizer.resident is None
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
 def test_a_fabric_modules_state_dict_waits_for_the_updates(stream_order):
     """Fabric's module reads the module it wraps for ``state_dict()``: with the overlap set on
     the Fabric module, that read still waits for the queued updates."""
