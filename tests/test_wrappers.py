@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import MasterCopyAdamW, assert_same, assert_state_offloaded
+from conftest import MasterCopyAdamW, assert_same, assert_state_offloaded, run_script
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from test_overlap import Net
 
@@ -212,3 +212,21 @@ def test_fabric_trains_clips_saves_and_resumes_as_torch_adamw(
     params = list(model.parameters())
     assert {p.dtype for p in params} == {dtype}
     assert_same(params, list(reference.parameters()))
+
+
+@pytest.mark.no_stream_check  # the processes run the checker themselves
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_fabric_on_two_processes_trains_and_resumes_as_torch_adamw(tmp_path, strategy):
+    """Fabric's DDP and ModelParallelStrategy (FSDP2, a distributed checkpoint) on 2 CPU
+    processes (``tests/fabric_fit.py``): overlapped, half resident and staged, every access
+    ordered, every rank's weights as torch's fused AdamW's, uninterrupted and resumed."""
+    run_script("fabric_fit.py", strategy, tmp_path)
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        ours, theirs = result["offload"], result["torch"]
+        assert ours["violations"] == []
+        assert ours["resident_bytes"] > 0
+        assert ours["deferred"] == [True] * 3  # each run of steps overlapped
+        assert_same(ours["params"], theirs["params"])
+        assert_same(ours["resumed"], theirs["resumed"])
+        assert_same(ours["resumed"], ours["params"])  # resuming changed nothing
