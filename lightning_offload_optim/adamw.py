@@ -348,9 +348,9 @@ class OffloadAdamW(torch.optim.AdamW):
         ``zero_grad()``, ``state_dict()``, ``load_state_dict()``, the next ``step()`` and
         ``state_dict()`` of ``module`` or any submodule wait by themselves; call
         :meth:`wait_for_updates` before reading parameters any other way between a step and
-        the next forward pass. Returns the hooks'
-        owner; ``.remove()`` it to step synchronously again (it waits for the queued updates).
-        Only staged devices (GPUs) overlap; CPU parameters are updated in place at once.
+        the next forward pass. Returns the hooks' owner; ``.remove()`` it to step synchronously
+        again (it waits for the queued updates). Only staged devices (GPUs) overlap; CPU
+        parameters are updated in place at once.
 
         Example::
 
