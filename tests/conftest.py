@@ -242,6 +242,15 @@ class MasterCopyAdamW(torch.optim.Optimizer):
             master.copy_(torch.where(master.to(p.dtype) == p, master, p.float()))
 
 
+def exact_reference(params: list[torch.Tensor], **defaults: Any) -> torch.optim.Optimizer:
+    """What OffloadAdamW must equal over ``params``: torch's fused AdamW, or for bf16/fp16
+    parameters :class:`MasterCopyAdamW`."""
+    groups = [{"params": list(params)}]
+    if params[0].dtype in (torch.bfloat16, torch.float16):
+        return MasterCopyAdamW(groups, **defaults)
+    return torch.optim.AdamW(groups, **defaults, fused=True)
+
+
 def clamp_alike(
     optimizer: Any, model: torch.nn.Module, reference: torch.nn.Module, masters: MasterCopyAdamW
 ) -> None:

@@ -12,9 +12,9 @@ import torch
 from conftest import (
     MasterCopyAdamW,
     assert_same,
-    assert_state_offloaded,
     clamp_alike,
     clone_params,
+    exact_reference,
     forked_child_memory_map,
     make_params,
     set_grads,
@@ -597,6 +597,7 @@ def test_fabric_overlapped_saves_right_after_a_step_and_resumes_like_torch_on_cu
     the queued updates) and ``fabric.load`` into a new model and optimizer (the state stays on
     the host); every step as torch's fused AdamW (bf16: on fp32 masters) on the same model."""
     import lightning as L
+    from test_wrappers import train_save_and_resume
 
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     generator = torch.Generator(device=CUDA).manual_seed(0)
@@ -612,37 +613,18 @@ def test_fabric_overlapped_saves_right_after_a_step_and_resumes_like_torch_on_cu
         optimizer.overlap_with(model)
         return fabric, model, optimizer
 
-    def train(fabric: L.Fabric, model: nn.Module, optimizer: OffloadAdamW, x) -> None:
-        fabric.backward(model(x))
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-
-    fabric, model, optimizer = setup()
-    for x in batches[:2]:
-        train(fabric, model, optimizer, x)
-    fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
-    saved = torch.load(tmp_path / "fabric.ckpt", weights_only=True)["model"]
-    fabric, model, optimizer = setup()
-    fabric.load(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
-    assert_state_offloaded(optimizer.optimizer, list(model.parameters()))
-    for x in batches[2:]:
-        train(fabric, model, optimizer, x)
-
+    checkpoint = tmp_path / "fabric.ckpt"
+    model, optimizer = train_save_and_resume(setup, lambda loss: loss, batches, 2, checkpoint, 1.0)
+    saved = list(torch.load(checkpoint, weights_only=True)["model"].values())
     reference = Stack().to(CUDA, dtype)
-    groups = [{"params": list(reference.parameters())}]
-    reference_opt = (
-        MasterCopyAdamW(groups, lr=1e-3, weight_decay=0.1)
-        if dtype == torch.bfloat16
-        else torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1, fused=True)
-    )
+    reference_opt = exact_reference(list(reference.parameters()), lr=1e-3, weight_decay=0.1)
     for i, x in enumerate(batches):
         reference(x.to(dtype)).float().backward()  # as Fabric casts the input and the loss
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         reference_opt.step()
         reference_opt.zero_grad()
         if i == 1:
-            assert_same(list(saved.values()), list(reference.state_dict().values()))
+            assert_same(saved, list(reference.state_dict().values()))
     assert_same(list(model.state_dict().values()), list(reference.state_dict().values()))
     assert optimizer.memory_stats()["resident_bytes"] > 0
 

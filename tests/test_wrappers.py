@@ -9,12 +9,14 @@ checker (on for every test here), every access is ordered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from conftest import MasterCopyAdamW, assert_same, assert_state_offloaded, run_script
+from conftest import assert_same, assert_state_offloaded, exact_reference, run_script
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from test_overlap import Net
 
@@ -37,6 +39,12 @@ def wrapped(kind: str, resident: float | None = None) -> tuple[torch.nn.Module, 
         return model, optimizer, LightningOptimizer(optimizer)
     model, wrapper = fabric().setup(model, optimizer)
     return model, optimizer, wrapper
+
+
+def torch_twin() -> tuple[torch.nn.Module, torch.optim.AdamW]:
+    """A ``Net`` and torch's fused AdamW over it: the reference."""
+    reference = Net()
+    return reference, torch.optim.AdamW(reference.parameters(), lr=LR, fused=True)
 
 
 def tokens(generator: torch.Generator) -> torch.Tensor:
@@ -62,8 +70,7 @@ def test_overlap_set_through_a_wrapper_overlaps_the_optimizers_steps(stream_orde
     forward copied in, and ends where torch's does."""
     model, optimizer, wrapper = wrapped(kind)
     wrapper.overlap_with(model)
-    reference = Net()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, fused=True)
+    reference, ref_opt = torch_twin()
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
         step_alike(model, optimizer, reference, ref_opt, generator)
@@ -82,8 +89,7 @@ def test_release_and_a_resident_share_set_through_a_wrapper_reach_the_optimizer(
     step keeps again; ``wrapper.resident = 0.0`` drops it from the next step on."""
     model, optimizer, wrapper = wrapped(kind, resident=1.0)
     optimizer.overlap_with(model)
-    reference = Net()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, fused=True)
+    reference, ref_opt = torch_twin()
     generator = torch.Generator().manual_seed(2)
     for _ in range(2):
         step_alike(model, optimizer, reference, ref_opt, generator)
@@ -107,8 +113,7 @@ def test_a_state_dict_loaded_through_a_wrapper_reaches_the_optimizer(stream_orde
     """Saved through one wrapper, loaded through another into a fresh optimizer, which then
     steps as the uninterrupted torch AdamW does."""
     model, optimizer, wrapper = wrapped(kind)
-    reference = Net()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, fused=True)
+    reference, ref_opt = torch_twin()
     generator = torch.Generator().manual_seed(3)
     for _ in range(2):
         step_alike(model, optimizer, reference, ref_opt, generator)
@@ -132,9 +137,8 @@ def test_an_optimizer_keeping_another_under_the_wrappers_name_acts_on_itself(str
             super().__init__(params, lr=LR, force_staging=True, chunk_size=64)
             self._optimizer = OffloadAdamW(shadow, lr=LR)
 
-    model, reference = Net(), Net()
+    model, (reference, ref_opt) = Net(), torch_twin()
     optimizer = WithShadow(model.parameters(), Net().parameters())
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, fused=True)
     step_alike(model, optimizer, reference, ref_opt, torch.Generator().manual_seed(6))
     assert sorted(optimizer.state_dict()["state"]) == sorted(ref_opt.state_dict()["state"])
     optimizer.resident = 0.5
@@ -158,6 +162,37 @@ def test_a_fabric_modules_state_dict_waits_for_the_updates(stream_order):
     assert_same(list(weights.values()), list(model.state_dict().values()))
 
 
+def train_save_and_resume(
+    setup: Callable[[], tuple[L.Fabric, torch.nn.Module, Any]],
+    loss: Callable[[torch.Tensor], torch.Tensor],
+    batches: list[torch.Tensor],
+    split: int,
+    checkpoint: Path,
+    max_norm: float,
+) -> tuple[torch.nn.Module, Any]:
+    """A Fabric loop as Fabric's docs write it: ``setup()`` gives a Fabric, a model and an
+    optimizer, which take ``batches[:split]`` (backward, clipping by norm, step) and are saved
+    to ``checkpoint``; a new ``setup()`` loads it (the state stays on the host) and takes the
+    rest. Returns that model and optimizer."""
+
+    def train(runner: L.Fabric, model: torch.nn.Module, optimizer: Any, batch) -> None:
+        runner.backward(loss(model(batch)))
+        runner.clip_gradients(model, optimizer, max_norm=max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    runner, model, optimizer = setup()
+    for batch in batches[:split]:
+        train(runner, model, optimizer, batch)
+    runner.save(checkpoint, {"model": model, "optimizer": optimizer})
+    runner, model, optimizer = setup()
+    runner.load(checkpoint, {"model": model, "optimizer": optimizer})
+    assert_state_offloaded(optimizer.optimizer, list(model.parameters()))
+    for batch in batches[split:]:
+        train(runner, model, optimizer, batch)
+    return model, optimizer
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
 def test_fabric_trains_clips_saves_and_resumes_as_torch_adamw(
@@ -168,12 +203,7 @@ def test_fabric_trains_clips_saves_and_resumes_as_torch_adamw(
     gradients (bf16: fused AdamW on fp32 master copies), the state kept on the host."""
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     reference = Net().to(dtype)
-    groups = [{"params": list(reference.parameters())}]
-    ref_opt = (
-        MasterCopyAdamW(groups, lr=LR)
-        if dtype == torch.bfloat16
-        else torch.optim.AdamW(groups, lr=LR, fused=True)
-    )
+    ref_opt = exact_reference(list(reference.parameters()), lr=LR)
     generator = torch.Generator().manual_seed(5)
     batches = [tokens(generator) for _ in range(5)]
 
@@ -187,21 +217,9 @@ def test_fabric_trains_clips_saves_and_resumes_as_torch_adamw(
             optimizer.overlap_with(model)
         return runner, model, optimizer
 
-    def train(runner, model, optimizer, batch) -> None:
-        runner.backward(model(batch).logsumexp(-1).mean())
-        runner.clip_gradients(model, optimizer, max_norm=0.5)
-        optimizer.step()
-        optimizer.zero_grad()
-
-    runner, model, optimizer = setup()
-    for batch in batches[:3]:
-        train(runner, model, optimizer, batch)
-    runner.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
-    runner, model, optimizer = setup()
-    runner.load(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
-    assert_state_offloaded(optimizer.optimizer, list(model.parameters()))
-    for batch in batches[3:]:
-        train(runner, model, optimizer, batch)
+    model, optimizer = train_save_and_resume(
+        setup, lambda out: out.logsumexp(-1).mean(), batches, 3, tmp_path / "f.ckpt", 0.5
+    )
     for batch in batches:
         reference(batch).float().logsumexp(-1).mean().backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)
