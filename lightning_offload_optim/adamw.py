@@ -107,7 +107,9 @@ def _unwrapped(optimizer: OffloadAdamW) -> OffloadAdamW:
 
 def _on_the_optimizer(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``method`` on the optimizer a Lightning or Fabric wrapper stands for (see
-    :func:`_unwrapped`)."""
+    :func:`_unwrapped`). Every public method that sets an attribute of the optimizer needs it;
+    those that only read reach the optimizer's attributes through the wrappers' forwarding
+    (``tests/test_wrappers.py`` calls each through both wrappers)."""
 
     @wraps(method)
     def run(self: OffloadAdamW, *args: Any, **kwargs: Any) -> Any:
@@ -221,7 +223,6 @@ class OffloadAdamW(torch.optim.AdamW):
         self._next_chunks: list[Chunk] = []
         self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
 
-    @_on_the_optimizer
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, but a parameter listed twice in one group is refused (torch only warns,
         then steps it twice per step). Groups record ``fused=True``: that is the kernel used,
@@ -417,7 +418,6 @@ class OffloadAdamW(torch.optim.AdamW):
         overlap = self._overlap
         return overlap if overlap is not None and not overlap.removed else None
 
-    @_on_the_optimizer
     def wait_for_updates(self) -> None:
         """Order the current streams after every update queued so far (on the device; the host
         does not block). Needed only with :meth:`overlap_with`, before reading parameters
@@ -462,7 +462,6 @@ class OffloadAdamW(torch.optim.AdamW):
         self._next_chunks = []
         self._resident_for = ()  # chosen again at the next step
 
-    @_on_the_optimizer
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's. With overlap, dropping the gradients (``set_to_none=True``, the default)
         needs no wait: the caching allocator keeps their memory until the queued updates have
@@ -660,7 +659,6 @@ class OffloadAdamW(torch.optim.AdamW):
                 torch._foreach_copy_(lists.params, targets)
 
     # ------------------------------------------------------------ checkpoints
-    @_on_the_optimizer
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's format, loadable by it: per parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (and ``max_exp_avg_sq``), plus ``master_param`` for bf16/fp16 params.
@@ -939,7 +937,6 @@ class OffloadAdamW(torch.optim.AdamW):
         self._host.adopt(slots)
 
     # ------------------------------------------------------------ inspection
-    @_on_the_optimizer
     def offloaded_state(self, param: Tensor) -> dict[str, Tensor]:
         """A copy of ``param``'s offloaded state, shaped like it: ``exp_avg``, ``exp_avg_sq``,
         ``max_exp_avg_sq`` (amsgrad) and ``master_param`` (bf16/fp16 params), all fp32 on the host
@@ -966,7 +963,6 @@ class OffloadAdamW(torch.optim.AdamW):
         """
         return self._pipeline.last_record
 
-    @_on_the_optimizer
     def take_copies_between_steps(self) -> StepRecord:
         """The copies queued since the latest step, which the next step's record would
         include: those of the next step's first chunks queued during a forward pass, and
@@ -975,7 +971,6 @@ class OffloadAdamW(torch.optim.AdamW):
         them so when training ends and no step follows."""
         return self._pipeline.take_between_steps()
 
-    @_on_the_optimizer
     def memory_stats(self) -> dict[str, int | bool]:
         """Memory the optimizer holds, in bytes.
 

@@ -64,6 +64,40 @@ WRAPPERS = ["lightning", "fabric"]
 
 
 @pytest.mark.parametrize("kind", WRAPPERS)
+def test_no_method_called_through_a_wrapper_keeps_anything_on_the_wrapper(stream_order, kind):
+    """Each public method of OffloadAdamW (and setting ``resident``), called through a wrapper,
+    sets no attribute of the wrapper: what it sets is the optimizer's, which steps."""
+    model, optimizer, wrapper = wrapped(kind, resident=0.5)
+    own = dict(vars(wrapper))
+    generator = torch.Generator().manual_seed(0)
+    extra = torch.nn.Parameter(torch.ones(3))
+    calls = {
+        "overlap_with": lambda: wrapper.overlap_with(model),
+        "add_param_group": lambda: wrapper.add_param_group({"params": [extra]}),
+        "zero_grad": lambda: wrapper.zero_grad(set_to_none=False),
+        "state_dict": wrapper.state_dict,
+        "load_state_dict": lambda: wrapper.load_state_dict(optimizer.state_dict()),
+        "offloaded_state": lambda: wrapper.offloaded_state(model.scale),
+        "take_copies_between_steps": wrapper.take_copies_between_steps,
+        "memory_stats": wrapper.memory_stats,
+        "last_step": lambda: wrapper.last_step,
+        "wait_for_updates": wrapper.wait_for_updates,
+        "release_device_memory": wrapper.release_device_memory,
+        "resident": lambda: setattr(wrapper, "resident", 0.25),
+    }
+    public = {n for n in vars(OffloadAdamW) if not n.startswith("_")} - {"step"}
+    assert public <= set(calls), f"not called here: {sorted(public - set(calls))}"
+    for name, call in calls.items():
+        model(tokens(generator)).logsumexp(-1).mean().backward()
+        optimizer.step()
+        call()
+        assert vars(wrapper) == own, f"{name} set {sorted(set(vars(wrapper)) - set(own))}"
+    assert optimizer.resident == 0.25
+    optimizer.wait_for_updates()
+    stream_order.expect_none()
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
 def test_overlap_set_through_a_wrapper_overlaps_the_optimizers_steps(stream_order, kind):
     """``wrapper.overlap_with(model)``: the optimizer's own step returns before its updates
     (Lightning and Fabric step the optimizer, not the wrapper), using the first chunks the
