@@ -192,6 +192,8 @@ def test_fit_end_frees_the_device_buffers_and_removes_the_overlap(tmp_path, stre
     offload, reference = fit_pair(tmp_path, Validated, 0.5, max_steps=4, limit_val_batches=1)
     assert_trained_alike(offload, reference, stream_order)
     assert hook_count(offload) == hook_count(reference)
+    kinds = [type(c) for c in offload.trainer.callbacks]  # none the mixin added is left
+    assert kinds == [type(c) for c in reference.trainer.callbacks]
     optimizer = offload.trainer.optimizers[0]
     assert optimizer._overlapping() is None
     stats = optimizer.memory_stats()
@@ -243,32 +245,60 @@ def test_without_the_wait_at_validation_start_validation_races_the_update(
     stream_order.violations.clear()
 
 
-class ReadsWeightsAtValidationStart(pl.Callback):
-    """Callbacks' on_validation_start hooks run before the module's."""
+class ReadsWeights(pl.Callback):
+    """Reads the weights in one hook; callbacks' hooks run before the module's."""
 
-    def __init__(self) -> None:
+    def __init__(self, hook: str) -> None:
         self.norms: list[torch.Tensor] = []
+        setattr(self, hook, self.read)
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def read(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.norms.append(torch.stack([p.detach().norm() for p in pl_module.parameters()]))
 
 
-def test_a_callback_reading_the_weights_at_validation_start(tmp_path, stream_order):
+@pytest.mark.parametrize(
+    ("hook", "reads"), [("on_validation_start", 2), ("on_train_epoch_end", 2), ("on_train_end", 1)]
+)
+def test_a_callback_reading_the_weights_at_validation_epoch_or_training_end(
+    tmp_path, stream_order, hook, reads
+):
+    """Two epochs of 4 steps, validation every 4 steps at most (none at ``on_train_*``, where
+    the weights are read right after a step)."""
     norms = []
+    validation = {"val_check_interval": 2, "limit_val_batches": 1, "max_steps": 4}
     for optimizer in ("offload", "torch"):
-        reader = ReadsWeightsAtValidationStart()
+        reader = ReadsWeights(hook)
         trainer(
             tmp_path / optimizer,
-            max_steps=4,
-            val_check_interval=2,
-            limit_val_batches=1,
+            **(validation if hook == "on_validation_start" else {"limit_val_batches": 0}),
             num_sanity_val_steps=0,
             callbacks=[reader],
         ).fit(Validated(optimizer=optimizer))
         norms.append(reader.norms)
     stream_order.expect_none()
-    assert len(norms[0]) == 2
+    assert len(norms[0]) == reads
     assert_same(norms[0], norms[1])
+
+
+def test_model_pruning_at_epoch_ends_without_validation(tmp_path, stream_order):
+    """Lightning's ``ModelPruning`` reads and rewrites a weight in ``on_train_epoch_end`` (no
+    validation ordered it before) and makes the pruning permanent in ``on_train_end``."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    def pruning(model: Validated) -> ModelPruning:
+        target = [(model.encoder[0], "weight")]
+        return ModelPruning("l1_unstructured", parameters_to_prune=target, amount=0.3, verbose=0)
+
+    models = []
+    for optimizer in ("offload", "torch"):
+        model = Validated(optimizer=optimizer)
+        fit = trainer(tmp_path / optimizer, max_steps=8, limit_val_batches=0)
+        fit.callbacks.append(pruning(model))
+        fit.fit(model)
+        models.append(model)
+    stream_order.expect_none()
+    assert (models[0].encoder[0].weight == 0).any()
+    assert_same(list(models[0].parameters()), list(models[1].parameters()))
 
 
 def test_weight_averaging_callbacks_turn_the_overlap_off(tmp_path, stream_order):

@@ -113,7 +113,9 @@ class OffloadOptimizerMixin:
     arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
     run follows the current Trainer's length. With ``overlap_step``, ``on_validation_model_eval``
     waits for the queued updates, ``on_fit_start`` turns the overlap off where a
-    weight-averaging callback reads the weights after each step, and ``on_train_start`` watches
+    weight-averaging callback reads the weights after each step, and otherwise puts a callback
+    first for the fit that waits before the callbacks' ``on_train_epoch_end`` and
+    ``on_train_end`` (``teardown`` removes it), and ``on_train_start`` watches
     ``training_step`` until the first step; ``on_train_end`` frees what the optimizers hold on
     the device, and ``teardown`` removes the overlap's hooks. Where ``on_fit_start`` finds an
     lr set before the first step (``LearningRateFinder``'s suggestion), it is the schedule's
@@ -305,6 +307,8 @@ class OffloadOptimizerMixin:
         for config in trainer.lr_scheduler_configs if trainer is not None else []:
             if isinstance(config.scheduler, WarmupCosineLR):  # after the LR finder's writes
                 config.scheduler.take_set_lrs_as_peaks()
+        if trainer is not None and self._offload_overlaps():
+            trainer.callbacks[:] = [_WaitForUpdates(), *_without_waits(trainer.callbacks)]
         super().on_fit_start()  # type: ignore[misc]
 
     def on_train_start(self) -> None:
@@ -383,11 +387,14 @@ class OffloadOptimizerMixin:
             overlap.wait_all()
 
     def teardown(self, stage: str) -> None:
-        """Remove the hooks of the trainer's optimizers' overlaps from this module: a later fit
-        makes new optimizers."""
+        """Remove the hooks of the trainer's optimizers' overlaps from this module, and the
+        callback ordering reads after them: a later fit makes new optimizers."""
         self._end_sigint_hold()
         for overlap in self._offload_overlaps():
             overlap.remove()
+        trainer = getattr(self, "_trainer", None)
+        if trainer is not None:
+            trainer.callbacks[:] = _without_waits(trainer.callbacks)
         super().teardown(stage)  # type: ignore[misc]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -456,6 +463,23 @@ def _refuse_deepspeed(trainer: pl.Trainer | None) -> None:
             "(ModelParallelStrategy) or a single device. Use one of those, or set the hparam "
             "offload_enabled=False to get torch.optim.AdamW for DeepSpeed to wrap."
         )
+
+
+class _WaitForUpdates(pl.Callback):
+    """Put first among the trainer's callbacks for a fit with ``overlap_step``: Lightning calls
+    the callbacks' ``on_train_epoch_end`` and ``on_train_end`` before the module's, and they
+    may read the weights (a log of their norms, ``ModelPruning``). Orders them after the last
+    step's updates (on the device; the host does not block)."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if isinstance(pl_module, OffloadOptimizerMixin):
+            pl_module._wait_for_offload_updates()
+
+    on_train_end = on_train_epoch_end
+
+
+def _without_waits(callbacks: list[Any]) -> list[Any]:
+    return [c for c in callbacks if not isinstance(c, _WaitForUpdates)]
 
 
 def _weight_averaging_callbacks(callbacks: list[Any]) -> list[Any]:
