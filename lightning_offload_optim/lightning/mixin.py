@@ -113,9 +113,9 @@ class OffloadOptimizerMixin:
     arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
     run follows the current Trainer's length. With ``overlap_step``, ``on_validation_model_eval``
     waits for the queued updates, ``on_fit_start`` turns the overlap off where a
-    weight-averaging callback reads the weights after each step, and otherwise puts a callback
-    first for the fit that waits before the callbacks' ``on_train_epoch_end`` and
-    ``on_train_end`` (``teardown`` removes it), and ``on_train_start`` watches
+    weight-averaging callback reads the weights after each step and puts first among the
+    trainer's callbacks one that waits before the others' ``on_train_epoch_end`` and
+    ``on_train_end`` (``teardown`` takes it out), and ``on_train_start`` watches
     ``training_step`` until the first step; ``on_train_end`` frees what the optimizers hold on
     the device, and ``teardown`` removes the overlap's hooks. Where ``on_fit_start`` finds an
     lr set before the first step (``LearningRateFinder``'s suggestion), it is the schedule's
@@ -388,7 +388,7 @@ class OffloadOptimizerMixin:
 
     def teardown(self, stage: str) -> None:
         """Remove the hooks of the trainer's optimizers' overlaps from this module, and the
-        callback ordering reads after them: a later fit makes new optimizers."""
+        callback that waits for their updates: a later fit makes new optimizers."""
         self._end_sigint_hold()
         for overlap in self._offload_overlaps():
             overlap.remove()
