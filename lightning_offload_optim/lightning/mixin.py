@@ -293,8 +293,7 @@ class OffloadOptimizerMixin:
         ``StochasticWeightAveraging``): callbacks run before this module's hooks, so it would
         read weights still being updated, and waiting for them first leaves nothing to overlap.
         Else put :class:`_WaitForUpdates` first among the callbacks. Take an lr set before the
-        first step (the LR finder's suggestion) as the schedule's
-        peak."""
+        first step (the LR finder's suggestion) as the schedule's peak."""
         trainer = getattr(self, "_trainer", None)
         averaging = _weight_averaging_callbacks(trainer.callbacks if trainer is not None else [])
         for overlap in self._offload_overlaps() if averaging else []:
