@@ -60,8 +60,10 @@ from lightning_offload_optim.validation import (
 DEFAULT_CHUNK_SIZE = 1 << 22
 #: Chunk plans kept for reuse, one per set of parameters with gradients (usually one).
 PLAN_CACHE_SIZE = 8
+#: Constructor settings fixed once the optimizer is built (see :class:`_FixedSetting`).
+_FIXED_SETTINGS = ("enabled", "chunk_size", "pin_memory", "force_staging")
 #: Constructor settings kept when the optimizer is copied or pickled.
-_SETTINGS = ("enabled", "chunk_size", "pin_memory", "force_staging", "resident")
+_SETTINGS = (*_FIXED_SETTINGS, "resident")
 
 
 @dataclass
@@ -88,6 +90,26 @@ def _resolve_pin_memory(pin_memory: bool | None) -> bool:
         )
         return False
     return bool(pin_memory)
+
+
+class _FixedSetting:
+    """A constructor setting that the host buffers, staging pipeline and step follow from the
+    start: read-only afterwards, so that setting it says so instead of being ignored (or, for
+    ``enabled``, breaking the next step). Kept in ``_<name>``; a Lightning or Fabric wrapper
+    forwards the read of that to the optimizer."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, f"_{name}"
+
+    def __get__(self, optimizer: Any, owner: type | None = None) -> Any:
+        return self if optimizer is None else getattr(optimizer, self.slot)
+
+    def __set__(self, optimizer: Any, value: Any) -> None:
+        raise AttributeError(
+            f"OffloadAdamW's {self.name} is fixed when the optimizer is built (its host state "
+            f"and staging are laid out for it); to change it, build a new "
+            f"OffloadAdamW(..., {self.name}={value!r}) and load this one's state_dict() into it"
+        )
 
 
 def _unwrapped(optimizer: OffloadAdamW) -> OffloadAdamW:
@@ -137,6 +159,7 @@ class OffloadAdamW(torch.optim.AdamW):
             Device memory used is ``2 * chunk_size * 4 bytes`` per state key, plus one more
             key's worth for bf16/fp16 parameters (their fp32 gradient scratch).
         force_staging: stage chunks through separate buffers even for CPU parameters (tests).
+            These four are fixed once the optimizer is built: setting one raises.
         resident: state to keep on the device, where it is updated in place and never copied:
             a share of the state (``0.25``), a number of bytes per device, or ``"auto"`` (what
             is free on each device after the first step, within any per-process memory
@@ -183,11 +206,11 @@ class OffloadAdamW(torch.optim.AdamW):
                 kind = "a bool or None" if name == "pin_memory" else "a bool"
                 raise TypeError(f"{name} must be {kind}, got {flag!r}")  # bool("false") is True
         # Set before torch's constructor, whose add_param_group calls read them.
-        self.enabled = enabled
-        self.chunk_size = chunk_size - chunk_size % SPLIT_ALIGNMENT
-        self.force_staging = force_staging
+        self._enabled = enabled
+        self._chunk_size = chunk_size - chunk_size % SPLIT_ALIGNMENT
+        self._force_staging = force_staging
         self.resident = resident
-        self.pin_memory = _resolve_pin_memory(pin_memory) if self.enabled else False
+        self._pin_memory = _resolve_pin_memory(pin_memory) if enabled else False
         try:
             super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
         except TypeError:  # torch's checks of the values meet lr="1e-3" or betas=0.9 with this
@@ -197,6 +220,11 @@ class OffloadAdamW(torch.optim.AdamW):
             )
             raise
         self._start_offload()
+
+    enabled = _FixedSetting()
+    chunk_size = _FixedSetting()
+    pin_memory = _FixedSetting()
+    force_staging = _FixedSetting()
 
     @property
     def resident(self) -> float | int | str | None:
@@ -915,6 +943,8 @@ class OffloadAdamW(torch.optim.AdamW):
             super().__setstate__(state)  # torch's load_state_dict installing the loaded state
             return
         state = dict(state)
+        for name in _FIXED_SETTINGS:
+            setattr(self, f"_{name}", state.pop(name))
         resident = state.pop("resident", None)  # None: pickled before the setting existed
         offloaded = state.pop("offloaded", [])
         interrupted = state.pop("interrupted", None)

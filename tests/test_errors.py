@@ -145,6 +145,26 @@ def test_switching_amsgrad_on_after_the_first_step_is_refused():
     assert_unchanged(opt, params, before)
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("enabled", False), ("chunk_size", 128), ("pin_memory", True), ("force_staging", False)],
+)
+def test_settings_fixed_at_construction_are_refused_when_set(name, value):
+    """Setting one after construction was ignored (``chunk_size``, ``pin_memory``,
+    ``force_staging``: the buffers were laid out already) or broke the next step inside torch
+    (``enabled=False`` handed host state to torch's kernel); now it is refused, naming the way
+    out, and the optimizer steps on as built."""
+    opt, params = trained(force_staging=True, chunk_size=64)
+    before = snapshot(opt, params)
+    settings = {n: getattr(opt, n) for n in ("enabled", "chunk_size", "pin_memory")}
+    with pytest.raises(
+        AttributeError, match=f"{name} is fixed .* OffloadAdamW\\(\\.\\.\\., {name}="
+    ):
+        setattr(opt, name, value)
+    assert {n: getattr(opt, n) for n in settings} == settings and opt.force_staging
+    assert_steps_on_like_torch(opt, params, before)
+
+
 def test_non_dense_parameter_is_refused():
     param = torch.nn.Parameter(torch.randn(3, 1).expand(3, 4))
     opt = OffloadAdamW([param])

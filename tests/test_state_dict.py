@@ -277,7 +277,8 @@ def test_copies_of_the_optimizer_keep_the_state_and_own_their_buffers(mode, copi
     step_together([offload], [params], generator, 2)
     saved = save_and_load(offload.state_dict())
     copied = copier(offload)
-    assert copied.chunk_size == offload.chunk_size and copied.enabled
+    for setting in ("enabled", "chunk_size", "pin_memory", "force_staging", "resident"):
+        assert getattr(copied, setting) == getattr(offload, setting), setting
     for index, entry in copied.state_dict()["state"].items():
         assert entry.keys() == saved["state"][index].keys()
         assert_same(list(entry.values()), list(saved["state"][index].values()))

@@ -10,6 +10,7 @@ checker (on for every test here), every access is ordered.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,13 @@ def step_alike(model, optimizer, reference, ref_opt, generator: torch.Generator)
         opt.zero_grad()
 
 
+def refused_setting(wrapper: Any, optimizer: OffloadAdamW, name: str) -> None:
+    """Reading ``name`` through ``wrapper`` gives the optimizer's; setting it is refused."""
+    assert getattr(wrapper, name) == vars(optimizer)[f"_{name}"]
+    with pytest.raises(AttributeError, match=f"{name} is fixed when the optimizer is built"):
+        setattr(wrapper, name, getattr(wrapper, name))
+
+
 WRAPPERS = ["lightning", "fabric"]
 
 
@@ -85,6 +93,8 @@ def test_no_method_called_through_a_wrapper_keeps_anything_on_the_wrapper(stream
         "release_device_memory": wrapper.release_device_memory,
         "resident": lambda: setattr(wrapper, "resident", 0.25),
     }
+    for setting in ("enabled", "chunk_size", "pin_memory", "force_staging"):
+        calls[setting] = partial(refused_setting, wrapper, optimizer, setting)
     public = {n for n in vars(OffloadAdamW) if not n.startswith("_")} - {"step"}
     assert public <= set(calls), f"not called here: {sorted(public - set(calls))}"
     for name, call in calls.items():
