@@ -38,7 +38,6 @@ from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, p
 from lightning_offload_optim.resident import (
     ResidentRanges,
     budget_bytes,
-    check_resident,
     choose_resident,
 )
 from lightning_offload_optim.sharding import like_param, local, refuse_fsdp1, write_mark
@@ -51,8 +50,10 @@ from lightning_offload_optim.validation import (
     check_entry,
     check_gradient,
     check_hyperparameters,
+    check_resident,
     describe,
     group_hyperparameters,
+    is_int,
     match_loaded_state,
 )
 
@@ -196,8 +197,9 @@ class OffloadAdamW(torch.optim.AdamW):
         force_staging: bool = False,
         resident: float | int | str | None = None,
     ) -> None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        if not is_int(chunk_size):
             raise TypeError(f"chunk_size must be an int, got {chunk_size!r}")
+        chunk_size = int(chunk_size)  # a numpy int too
         if chunk_size < SPLIT_ALIGNMENT:
             raise ValueError(f"chunk_size must be at least {SPLIT_ALIGNMENT}, got {chunk_size}")
         flags = {"enabled": enabled, "force_staging": force_staging, "pin_memory": pin_memory}

@@ -37,10 +37,10 @@ from lightning_offload_optim.resident import (
     Resident,
     ResidentRanges,
     auto_margin,
-    check_resident,
     choose_resident,
     fixed_budget,
 )
+from lightning_offload_optim.validation import check_resident, is_int, is_number
 
 # The package imports this module for its ``plan`` function (which then shadows the module as
 # ``lightning_offload_optim.plan``), so ``python -m lightning_offload_optim.plan`` finds it
@@ -479,10 +479,10 @@ def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:
         dtype = PRECISIONS[DEFAULT_PRECISION]
     if isinstance(model, bool) or model is None:
         raise TypeError(f"cannot plan for {model!r}: give a count, a config or an nn.Module")
-    if isinstance(model, int):
+    if is_int(model):
         if model < 1:
             raise ValueError(f"the parameter count must be at least 1, got {model}")
-        return _Model("A parameter count", [_Param((model,), dtype)], None)
+        return _Model("A parameter count", [_Param((int(model),), dtype)], None)
     if isinstance(model, str) and model.lower() in PRESETS:
         return _from_config(PRESETS[model.lower()], f"Llama-2 {model.upper()}", dtype)
     if isinstance(model, (str, os.PathLike)):
@@ -663,9 +663,9 @@ def host_memory_here() -> int | None:
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int of at least {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -743,11 +743,7 @@ def plan(
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     resident = check_resident(resident)
-    if bandwidth is not None and (
-        isinstance(bandwidth, bool)
-        or not isinstance(bandwidth, (int, float))
-        or not 0 < bandwidth < math.inf
-    ):
+    if bandwidth is not None and (not is_number(bandwidth) or not 0 < bandwidth < math.inf):
         raise ValueError(f"bandwidth must be a positive number of GB/s, got {bandwidth!r}")
     if gpu_memory is None:
         gpu_memory = gpu_memory_here()

@@ -31,23 +31,6 @@ AUTO_MARGIN_BYTES = 2 << 30
 Resident = float | int | str | None
 
 
-def check_resident(resident: Resident) -> Resident:
-    """Validate the ``resident`` argument: a share of the state (a float in [0, 1]), a byte
-    budget (an int >= 0), ``"auto"`` or ``None`` (nothing resident)."""
-    if resident is None or resident == "auto":
-        return resident
-    if isinstance(resident, bool) or not isinstance(resident, (int, float)):
-        raise TypeError(
-            f"resident must be a share of the state (a float in [0, 1]), a number of bytes "
-            f"(an int), 'auto' or None; got {resident!r}"
-        )
-    if isinstance(resident, float) and not (0.0 <= resident <= 1.0 and math.isfinite(resident)):
-        raise ValueError(f"resident as a share of the state must be in [0, 1], got {resident}")
-    if isinstance(resident, int) and resident < 0:
-        raise ValueError(f"resident as a number of bytes must be >= 0, got {resident}")
-    return resident
-
-
 def free_device_memory(device: torch.device) -> int | None:
     """Bytes this process may still allocate on ``device``, or None where torch cannot say (the
     CPU): what the device has free, and no more than the caching allocator's cap

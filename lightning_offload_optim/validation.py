@@ -53,6 +53,27 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_resident(resident: float | int | str | None) -> float | int | str | None:
+    """Validate the ``resident`` argument: a share of the state (a float in [0, 1]), a byte
+    budget (an int >= 0), ``"auto"`` or ``None`` (nothing resident)."""
+    if resident is None or (isinstance(resident, str) and resident == "auto"):
+        return resident
+    if is_int(resident):
+        resident = int(resident)  # numpy ints too, as floats below: the checks use int and float
+    elif is_number(resident):
+        resident = float(resident)
+    else:
+        raise TypeError(
+            f"resident must be a share of the state (a float in [0, 1]), a number of bytes "
+            f"(an int), 'auto' or None; got {resident!r}"
+        )
+    if isinstance(resident, float) and not (0.0 <= resident <= 1.0 and math.isfinite(resident)):
+        raise ValueError(f"resident as a share of the state must be in [0, 1], got {resident}")
+    if isinstance(resident, int) and resident < 0:
+        raise ValueError(f"resident as a number of bytes must be >= 0, got {resident}")
+    return resident
+
+
 # ------------------------------------------------------------------------------ hyperparameters
 @dataclass(frozen=True)
 class Hyperparameters:

@@ -9,6 +9,7 @@ import warnings
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -526,6 +527,18 @@ def test_note_gives_what_is_left_on_one_gpu():
 def test_exported_from_the_package():
     assert lightning_offload_optim.plan is plan
     assert isinstance(plan(10, **MACHINE), MemoryPlan)
+
+
+def test_numpy_numbers_plan_as_the_python_ones():
+    """Counts and settings read from numpy (a sweep's grid) were refused as "not an int"."""
+    python = plan(10**6, gpus=2, chunk_size=1 << 20, resident=1 << 20, **MACHINE)
+    given = {"gpus": numpy.int64(2), "chunk_size": numpy.int32(1 << 20)}
+    numpys = plan(numpy.int64(10**6), **given, resident=numpy.int64(1 << 20), **MACHINE)
+    assert numpys == python
+    share = plan(10**6, resident=0.25, **MACHINE)
+    assert plan(10**6, resident=numpy.float32(0.25), **MACHINE) == share
+    slow = plan(10**6, bandwidth=12.5, **MACHINE)
+    assert plan(10**6, bandwidth=numpy.float32(12.5), **MACHINE) == slow
 
 
 # ------------------------------------------------------------------ errors

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy
 import pytest
 import torch
 from conftest import (
@@ -206,6 +207,24 @@ def test_resident_with_overlap(stream_order):
 def test_bad_resident_arguments_are_refused(resident, error, message):
     with pytest.raises(error, match=message):
         OffloadAdamW(make_params(), resident=resident)
+
+
+@pytest.mark.parametrize(
+    ("given", "kept_elements"),
+    [(numpy.float32(0.4), 192 + 100 + 7), (numpy.int64(8 * (192 + 100)), 192 + 100)],
+)
+def test_numpy_numbers_are_taken_as_the_python_ones(given, kept_elements):
+    """A share or budget read from numpy (a config, a sweep) was refused; a numpy float is a
+    share and a numpy int bytes, as their Python kinds are."""
+    params = make_params(SHAPES)
+    opt = OffloadAdamW(params, lr=0.05, force_staging=True, chunk_size=numpy.int64(128))
+    opt.resident = given
+    assert type(opt.resident) is (float if isinstance(given, numpy.floating) else int)
+    step_together([opt], [params], torch.Generator().manual_seed(1), 2)
+    assert opt.memory_stats()["resident_bytes"] == 8 * kept_elements
+    assert opt.chunk_size == 128 and type(opt.chunk_size) is int
+    with pytest.raises(ValueError, match=r"share of the state must be in \[0, 1\]"):
+        opt.resident = numpy.float64(1.5)
 
 
 def test_auto_does_not_shrink_when_it_chooses_again(monkeypatch):
