@@ -181,6 +181,11 @@ class OffloadAdamW(torch.optim.AdamW):
         ['exp_avg', 'exp_avg_sq']
     """
 
+    enabled = _FixedSetting()
+    chunk_size = _FixedSetting()
+    pin_memory = _FixedSetting()
+    force_staging = _FixedSetting()
+
     def __init__(
         self,
         params: ParamsT,
@@ -222,11 +227,6 @@ class OffloadAdamW(torch.optim.AdamW):
             )
             raise
         self._start_offload()
-
-    enabled = _FixedSetting()
-    chunk_size = _FixedSetting()
-    pin_memory = _FixedSetting()
-    force_staging = _FixedSetting()
 
     @property
     def resident(self) -> float | int | str | None:
