@@ -25,6 +25,10 @@ from lightning_offload_optim.lightning.checkpoint import (
     check_metadata,
     offload_metadata,
 )
+from lightning_offload_optim.lightning.hook_overrides import (
+    lost_without_super,
+    warn_of_overrides_without_super,
+)
 from lightning_offload_optim.lightning.schedule import (
     LINKED_GROUP_KEY,
     WarmupCosineLR,
@@ -121,7 +125,8 @@ class OffloadOptimizerMixin:
     lr set before the first step (``LearningRateFinder``'s suggestion), it is the schedule's
     peak. A Ctrl-C from the first optimizer step of a batch on is raised at the end of the
     batch (``on_before_optimizer_step`` to ``on_train_batch_end``). Call ``super()`` where you
-    override these hooks.
+    override these hooks: ``configure_optimizers`` warns where an override the run needs does
+    not (:mod:`~lightning_offload_optim.lightning.hook_overrides`).
 
     Example:
         >>> import lightning.pytorch as pl
@@ -262,7 +267,14 @@ class OffloadOptimizerMixin:
         schedule = self.offload_hparam("lr_schedule")
         if schedule not in (None, "cosine", "constant"):
             raise ValueError(f"lr_schedule must be None, 'constant' or 'cosine', got {schedule!r}")
-        if warmup <= 0 and schedule != "cosine":
+        scheduled = warmup > 0 or schedule == "cosine"
+        lost = lost_without_super(
+            offloaded=optimizer.enabled,
+            overlap=optimizer._overlapping() is not None,
+            schedule=scheduled,
+        )
+        warn_of_overrides_without_super(type(self), OffloadOptimizerMixin, lost)
+        if not scheduled:
             return optimizer
         total = None
         if schedule == "cosine":

@@ -1,0 +1,123 @@
+"""The mixin warns where the module overrides one of its hooks without ``super()`` and the run's
+settings need that hook (Lightning's own hooks do nothing, so leaving ``super()`` out is the
+habit)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_offload_optim import OffloadOptimizerMixin
+
+
+class Base(OffloadOptimizerMixin, pl.LightningModule):
+    def __init__(self, **hparams) -> None:
+        super().__init__()
+        self.save_hyperparameters(hparams)
+        self.net = torch.nn.Linear(4, 4)
+
+
+class WithoutSuper(Base):
+    def on_fit_start(self) -> None:
+        self.started = True
+
+    def on_train_start(self) -> None:
+        pass
+
+    def on_validation_model_eval(self) -> None:
+        self.eval()
+
+    def on_train_end(self) -> None:
+        pass
+
+
+def warnings_of(model: pl.LightningModule) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.configure_optimizers()
+    return [w for w in caught if "does not call super" in str(w.message)]
+
+
+def hooks_named(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message).split(" does not")[0] for w in caught]
+
+
+def test_overrides_without_super_are_named_at_their_own_lines():
+    caught = warnings_of(WithoutSuper(overlap_step=True))
+    assert hooks_named(caught) == [
+        "WithoutSuper.on_fit_start",
+        "WithoutSuper.on_train_start",
+        "WithoutSuper.on_validation_model_eval",
+        "WithoutSuper.on_train_end",
+    ]
+    line = inspect.getsourcelines(WithoutSuper.on_fit_start)[1]
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+    assert "not ordered after the last step's updates" in str(caught[0].message)
+    assert "not freed after fit" in str(caught[3].message)
+
+
+@pytest.mark.parametrize(
+    ("hparams", "expected"),
+    [
+        ({}, ["WithoutSuper.on_train_end"]),  # no overlap: its ordering hooks are not needed
+        ({"offload_enabled": False}, []),  # torch's AdamW: nothing held on the device
+        ({"warmup_steps": 2}, ["WithoutSuper.on_fit_start", "WithoutSuper.on_train_end"]),
+    ],
+)
+def test_only_hooks_the_runs_settings_need_are_checked(hparams, expected):
+    caught = warnings_of(WithoutSuper(**hparams))
+    assert hooks_named(caught) == expected
+    if "warmup_steps" in hparams:
+        message = str(caught[0].message)
+        assert "schedule's peak" in message and "weight-averaging" not in message
+
+
+def passes_through(hook):
+    @functools.wraps(hook)
+    def run(*args, **kwargs):
+        return hook(*args, **kwargs)
+
+    return run
+
+
+class CallsUp(Base):
+    """Every way of calling up: ``super()``, the mixin's hook by name, inside a nested function,
+    under a decorator that wraps."""
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+
+    def on_train_start(self) -> None:
+        OffloadOptimizerMixin.on_train_start(self)
+
+    def on_validation_model_eval(self) -> None:
+        def later() -> None:
+            super(CallsUp, self).on_validation_model_eval()
+
+        later()
+
+    @passes_through
+    def on_train_end(self) -> None:
+        super().on_train_end()
+
+
+class BreaksTheChain(CallsUp):
+    def on_fit_start(self) -> None:
+        pass
+
+
+class BelowTheBreak(BreaksTheChain):
+    def on_fit_start(self) -> None:
+        super().on_fit_start()  # reaches BreaksTheChain's, which stops there
+
+
+def test_calling_up_in_any_way_is_seen_and_a_break_anywhere_in_the_chain_is_found():
+    assert warnings_of(CallsUp(overlap_step=True)) == []
+    for model in (BreaksTheChain, BelowTheBreak):
+        caught = warnings_of(model(overlap_step=True))
+        assert hooks_named(caught) == ["BreaksTheChain.on_fit_start"]
