@@ -121,3 +121,15 @@ def test_calling_up_in_any_way_is_seen_and_a_break_anywhere_in_the_chain_is_foun
     for model in (BreaksTheChain, BelowTheBreak):
         caught = warnings_of(model(overlap_step=True))
         assert hooks_named(caught) == ["BreaksTheChain.on_fit_start"]
+
+
+def test_each_override_is_warned_about_once_under_the_default_filter():
+    """As a ``warnings.warn`` from the override's line would be: a tuner's run builds the
+    optimizers again, and ``fit`` may run more than once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            WithoutSuper().configure_optimizers()
+    assert hooks_named([w for w in caught if "does not call super" in str(w.message)]) == [
+        "WithoutSuper.on_train_end"
+    ]

@@ -16,6 +16,10 @@ import inspect
 import types
 import warnings
 
+#: What ``warnings`` notes of the warnings shown (each module's ``__warningregistry__`` does this
+#: for ``warnings.warn``): a fit that builds its optimizers again (a tuner's) warns once.
+_SHOWN: dict = {}
+
 
 def lost_without_super(*, offloaded: bool, overlap: bool, schedule: bool) -> dict[str, str]:
     """By hook, what a run with these settings loses where an override does not call up."""
@@ -55,6 +59,7 @@ def warn_of_overrides_without_super(cls: type, mixin: type, lost: dict[str, str]
                     UserWarning,
                     code.co_filename,
                     code.co_firstlineno,
+                    registry=_SHOWN,  # once per override, as a warning from its line would be
                 )
                 break
 
