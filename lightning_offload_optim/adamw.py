@@ -106,10 +106,20 @@ class _FixedSetting:
         return self if optimizer is None else getattr(optimizer, self.slot)
 
     def __set__(self, optimizer: Any, value: Any) -> None:
-        raise AttributeError(
-            f"OffloadAdamW's {self.name} is fixed when the optimizer is built (its host state "
-            f"and staging are laid out for it); to change it, build a new "
-            f"OffloadAdamW(..., {self.name}={value!r}) and load this one's state_dict() into it"
+        raise AttributeError(self._read_only(optimizer, f"{self.name}={value!r}"))
+
+    def __delete__(self, optimizer: Any) -> None:
+        raise AttributeError(self._read_only(optimizer, f"{self.name}=..."))
+
+    def _read_only(self, optimizer: Any, argument: str) -> str:
+        kind = type(_unwrapped(optimizer)).__name__
+        hparam = (
+            f" (the mixin's hparam offload_{self.name})" if self.name != "force_staging" else ""
+        )
+        return (
+            f"{kind}'s {self.name} is read-only: the constructor takes it{hparam}, and the host "
+            f"state and staging are laid out for it. To change it, build a new "
+            f"{kind}(..., {argument}) and load this one's state_dict() into it"
         )
 
 

@@ -737,9 +737,10 @@ def plan(
     chunk_size = _positive_int("chunk_size", chunk_size, SPLIT_ALIGNMENT)
     if unit_params is not None:
         unit_params = _positive_int("unit_params", unit_params, 0)
-    for name, value in (("gpu_memory", gpu_memory), ("host_memory", host_memory)):
-        if value is not None:
-            _positive_int(name, value)
+    if gpu_memory is not None:
+        gpu_memory = _positive_int("gpu_memory", gpu_memory)
+    if host_memory is not None:
+        host_memory = _positive_int("host_memory", host_memory)
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     resident = check_resident(resident)

@@ -1,4 +1,5 @@
-"""Checks made before anything changes: hyperparameters, gradients, and loaded state dicts.
+"""Checks made before anything changes: arguments, hyperparameters, gradients, and loaded state
+dicts.
 
 Each check raises an error that names the param group, the parameter and the key at fault, so
 :class:`~lightning_offload_optim.OffloadAdamW` can refuse bad input before its first mutation.
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_offload_optim.host_state import MASTER_KEY, MOMENT_KEYS, OFFLOADED_KEYS
+from lightning_offload_optim.resident import Resident
 from lightning_offload_optim.sharding import check_same_sharding, local, local_source
 
 #: Version of the layout of offloaded state in ``state_dict()`` (key :data:`FORMAT_KEY`). A newer
@@ -53,7 +55,7 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_resident(resident: float | int | str | None) -> float | int | str | None:
+def check_resident(resident: Resident) -> Resident:
     """Validate the ``resident`` argument: a share of the state (a float in [0, 1]), a byte
     budget (an int >= 0), ``"auto"`` or ``None`` (nothing resident)."""
     if resident is None or (isinstance(resident, str) and resident == "auto"):

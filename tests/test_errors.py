@@ -158,9 +158,12 @@ def test_settings_fixed_at_construction_are_refused_when_set(name, value):
     before = snapshot(opt, params)
     settings = {n: getattr(opt, n) for n in ("enabled", "chunk_size", "pin_memory")}
     with pytest.raises(
-        AttributeError, match=f"{name} is fixed .* OffloadAdamW\\(\\.\\.\\., {name}="
+        AttributeError,
+        match=f"OffloadAdamW's {name} is read-only: .* OffloadAdamW\\(\\.\\.\\., {name}=",
     ):
         setattr(opt, name, value)
+    with pytest.raises(AttributeError, match=f"{name} is read-only"):
+        delattr(opt, name)
     assert {n: getattr(opt, n) for n in settings} == settings and opt.force_staging
     assert_steps_on_like_torch(opt, params, before)
 

@@ -47,14 +47,12 @@ def hooks_named(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message).split(" does not")[0] for w in caught]
 
 
+ORDERING = ("on_fit_start", "on_train_start", "on_validation_model_eval", "on_train_end")
+
+
 def test_overrides_without_super_are_named_at_their_own_lines():
     caught = warnings_of(WithoutSuper(overlap_step=True))
-    assert hooks_named(caught) == [
-        "WithoutSuper.on_fit_start",
-        "WithoutSuper.on_train_start",
-        "WithoutSuper.on_validation_model_eval",
-        "WithoutSuper.on_train_end",
-    ]
+    assert hooks_named(caught) == [f"WithoutSuper.{hook}" for hook in ORDERING]
     line = inspect.getsourcelines(WithoutSuper.on_fit_start)[1]
     assert (caught[0].filename, caught[0].lineno) == (__file__, line)
     assert "not ordered after the last step's updates" in str(caught[0].message)
@@ -67,14 +65,16 @@ def test_overrides_without_super_are_named_at_their_own_lines():
         ({}, ["WithoutSuper.on_train_end"]),  # no overlap: its ordering hooks are not needed
         ({"offload_enabled": False}, []),  # torch's AdamW: nothing held on the device
         ({"warmup_steps": 2}, ["WithoutSuper.on_fit_start", "WithoutSuper.on_train_end"]),
+        ({"warmup_steps": 2, "overlap_step": True}, [f"WithoutSuper.{h}" for h in ORDERING]),
     ],
 )
 def test_only_hooks_the_runs_settings_need_are_checked(hparams, expected):
     caught = warnings_of(WithoutSuper(**hparams))
     assert hooks_named(caught) == expected
-    if "warmup_steps" in hparams:
+    if "warmup_steps" in hparams:  # on_fit_start's message names what this run loses
         message = str(caught[0].message)
-        assert "schedule's peak" in message and "weight-averaging" not in message
+        assert "schedule's peak" in message
+        assert ("weight-averaging" in message) == ("overlap_step" in hparams)
 
 
 def passes_through(hook):
@@ -110,17 +110,56 @@ class BreaksTheChain(CallsUp):
     def on_fit_start(self) -> None:
         pass
 
+    on_train_end = lambda self: None  # noqa: E731  (a lambda cannot call super())
+
 
 class BelowTheBreak(BreaksTheChain):
     def on_fit_start(self) -> None:
         super().on_fit_start()  # reaches BreaksTheChain's, which stops there
 
 
+class BreaksItAgain(BelowTheBreak):
+    def on_fit_start(self) -> None:
+        pass
+
+
 def test_calling_up_in_any_way_is_seen_and_a_break_anywhere_in_the_chain_is_found():
     assert warnings_of(CallsUp(overlap_step=True)) == []
+    broken = ["BreaksTheChain.on_fit_start", "BreaksTheChain.on_train_end"]
     for model in (BreaksTheChain, BelowTheBreak):
-        caught = warnings_of(model(overlap_step=True))
-        assert hooks_named(caught) == ["BreaksTheChain.on_fit_start"]
+        assert hooks_named(warnings_of(model(overlap_step=True))) == broken
+    # The override that runs first stops the chain: the break above it is not named again.
+    again = ["BreaksItAgain.on_fit_start", "BreaksTheChain.on_train_end"]
+    assert hooks_named(warnings_of(BreaksItAgain(overlap_step=True))) == again
+
+
+def timed(hook):
+    def run(self, *args):  # no functools.wraps: what it calls is not for the check to read
+        return hook(self, *args)
+
+    return run
+
+
+class Decorated(Base):
+    @timed
+    def on_train_end(self) -> None:
+        super().on_train_end()
+
+
+def test_an_override_under_a_decorator_that_hides_it_is_not_checked():
+    assert warnings_of(Decorated()) == []
+
+
+def test_filters_naming_the_modules_module_and_other_ranks_silence_it(monkeypatch):
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", module="test_hook_overrides")
+        WithoutSuper().configure_optimizers()
+    assert not [w for w in caught if "does not call super" in str(w.message)]
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert warnings_of(WithoutSuper()) == []  # DDP's other ranks: rank 0 warns
 
 
 def test_each_override_is_warned_about_once_under_the_default_filter():

@@ -539,6 +539,10 @@ def test_numpy_numbers_plan_as_the_python_ones():
     assert plan(10**6, resident=numpy.float32(0.25), **MACHINE) == share
     slow = plan(10**6, bandwidth=12.5, **MACHINE)
     assert plan(10**6, bandwidth=numpy.float32(12.5), **MACHINE) == slow
+    memories = {name: numpy.int64(value) for name, value in MACHINE.items()}
+    fitting = plan(10**6, **memories)
+    assert fitting == plan(10**6, **MACHINE)
+    assert fitting.offload.fits_gpu is True and type(fitting.gpu_memory) is int
 
 
 # ------------------------------------------------------------------ errors

@@ -64,7 +64,7 @@ def step_alike(model, optimizer, reference, ref_opt, generator: torch.Generator)
 def refused_setting(wrapper: Any, optimizer: OffloadAdamW, name: str) -> None:
     """Reading ``name`` through ``wrapper`` gives the optimizer's; setting it is refused."""
     assert getattr(wrapper, name) == vars(optimizer)[f"_{name}"]
-    with pytest.raises(AttributeError, match=f"{name} is fixed when the optimizer is built"):
+    with pytest.raises(AttributeError, match=f"{name} is read-only: the constructor takes it"):
         setattr(wrapper, name, getattr(wrapper, name))
 
 

@@ -1,13 +1,16 @@
 """A warning for each of the mixin's hooks that the user's module overrides without calling
 ``super()``, where the settings of the run need what that hook does.
 
-Lightning's own hooks do nothing, so overriding one without ``super()`` is the habit; some of
-the mixin's order the overlapped step or free device memory. The check reads the override's
-bytecode: it calls up where it names ``super`` or the hook itself
-(``OffloadOptimizerMixin.on_fit_start(self)``), in its body or in a function defined inside
-it; one that calls up only through a helper of another name is warned about too. Hooks whose
-loss is small (the Ctrl-C hold, which later hooks end as well; the checkpoint's metadata) are
-not checked.
+Most of Lightning's own hooks do nothing, so overriding one without ``super()`` is the habit;
+some of the mixin's order the overlapped step or free device memory. The check reads the
+override's bytecode: it calls up where it names ``super`` or the hook itself (as in
+``OffloadOptimizerMixin.on_fit_start(self)``, and also, unseen, in
+``LightningModule.on_fit_start(self)`` or ``self.child.on_fit_start()``), in its body or in a
+function defined inside it; one that calls up only through a helper of another name is warned
+about. An override under a decorator that does not ``functools.wraps`` it is not checked.
+Hooks whose loss is small are not checked: the Ctrl-C hold (which later hooks end as well),
+the checkpoint's metadata, ``setup``'s dropping of a hold a failed run left, ``teardown``'s
+removal of the overlap's hooks (an optimizer's go with it).
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import inspect
 import types
 import warnings
 
-#: What ``warnings`` notes of the warnings shown (each module's ``__warningregistry__`` does this
-#: for ``warnings.warn``): a fit that builds its optimizers again (a tuner's) warns once.
-_SHOWN: dict = {}
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+#: By file, what ``warnings`` notes of the warnings shown there (a module's
+#: ``__warningregistry__`` does this for ``warnings.warn``): a fit that builds its optimizers
+#: again (a tuner's) warns once.
+_SHOWN: dict[str, dict] = {}
 
 
 def lost_without_super(*, offloaded: bool, overlap: bool, schedule: bool) -> dict[str, str]:
@@ -43,6 +49,7 @@ def lost_without_super(*, offloaded: bool, overlap: bool, schedule: bool) -> dic
     return lost
 
 
+@rank_zero_only
 def warn_of_overrides_without_super(cls: type, mixin: type, lost: dict[str, str]) -> None:
     """Warn, at the override's own line, for each hook of ``lost`` where the chain of
     overrides from ``cls`` up to ``mixin`` breaks: an override that does not call up."""
@@ -51,7 +58,10 @@ def warn_of_overrides_without_super(cls: type, mixin: type, lost: dict[str, str]
             override = vars(owner).get(hook)
             if not isinstance(override, types.FunctionType):
                 continue  # not defined here, or not a plain function (a partial...)
-            code = inspect.unwrap(override).__code__
+            override = inspect.unwrap(override)
+            if override.__name__ not in (hook, "<lambda>"):
+                break  # a decorator's function, which may call the hook: nothing to read
+            code = override.__code__
             if not _calls_up(code, hook):
                 warnings.warn_explicit(
                     f"{owner.__qualname__}.{hook} does not call super().{hook}(...), so {what}. "
@@ -59,7 +69,9 @@ def warn_of_overrides_without_super(cls: type, mixin: type, lost: dict[str, str]
                     UserWarning,
                     code.co_filename,
                     code.co_firstlineno,
-                    registry=_SHOWN,  # once per override, as a warning from its line would be
+                    module=override.__module__,  # for filters naming the module
+                    registry=_SHOWN.setdefault(code.co_filename, {}),
+                    module_globals=override.__globals__,
                 )
                 break
 
