@@ -746,6 +746,7 @@ def plan(
     resident = check_resident(resident)
     if bandwidth is not None and (not is_number(bandwidth) or not 0 < bandwidth < math.inf):
         raise ValueError(f"bandwidth must be a positive number of GB/s, got {bandwidth!r}")
+    bandwidth = None if bandwidth is None else float(bandwidth)
     if gpu_memory is None:
         gpu_memory = gpu_memory_here()
     if host_memory is None:
