@@ -3,11 +3,11 @@
 
 Most of Lightning's own hooks do nothing, so overriding one without ``super()`` is the habit;
 some of the mixin's order the overlapped step or free device memory. The check reads the
-override's bytecode: it calls up where it names ``super`` or the hook itself (as in
-``OffloadOptimizerMixin.on_fit_start(self)``, and also, unseen, in
-``LightningModule.on_fit_start(self)`` or ``self.child.on_fit_start()``), in its body or in a
-function defined inside it; one that calls up only through a helper of another name is warned
-about. An override under a decorator that does not ``functools.wraps`` it is not checked.
+override's bytecode and takes it to call up where it names ``super`` or the hook itself, in
+its body or in a function defined inside it: ``OffloadOptimizerMixin.on_fit_start(self)``
+does, and so, wrongly, do ``LightningModule.on_fit_start(self)`` and
+``self.child.on_fit_start()``; one that calls up only through a helper of another name is
+warned about. An override under a decorator that does not ``functools.wraps`` it is not checked.
 Hooks whose loss is small are not checked: the Ctrl-C hold (which later hooks end as well),
 the checkpoint's metadata, ``setup``'s dropping of a hold a failed run left, ``teardown``'s
 removal of the overlap's hooks (an optimizer's go with it).
