@@ -36,11 +36,15 @@ class WithoutSuper(Base):
         pass
 
 
+def about_super(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    return [w for w in caught if "does not call super" in str(w.message)]
+
+
 def warnings_of(model: pl.LightningModule) -> list[warnings.WarningMessage]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.configure_optimizers()
-    return [w for w in caught if "does not call super" in str(w.message)]
+    return about_super(caught)
 
 
 def hooks_named(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -157,7 +161,7 @@ def test_filters_naming_the_modules_module_and_other_ranks_silence_it(monkeypatc
         warnings.simplefilter("always")
         warnings.filterwarnings("ignore", module="test_hook_overrides")
         WithoutSuper().configure_optimizers()
-    assert not [w for w in caught if "does not call super" in str(w.message)]
+    assert about_super(caught) == []
     monkeypatch.setattr(rank_zero_only, "rank", 1)
     assert warnings_of(WithoutSuper()) == []  # DDP's other ranks: rank 0 warns
 
@@ -169,6 +173,4 @@ def test_each_override_is_warned_about_once_under_the_default_filter():
         warnings.simplefilter("default")
         for _ in range(3):
             WithoutSuper().configure_optimizers()
-    assert hooks_named([w for w in caught if "does not call super" in str(w.message)]) == [
-        "WithoutSuper.on_train_end"
-    ]
+    assert hooks_named(about_super(caught)) == ["WithoutSuper.on_train_end"]

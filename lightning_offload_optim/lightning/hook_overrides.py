@@ -21,11 +21,6 @@ import warnings
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-#: By file, what ``warnings`` notes of the warnings shown there (a module's
-#: ``__warningregistry__`` does this for ``warnings.warn``): a fit that builds its optimizers
-#: again (a tuner's) warns once.
-_SHOWN: dict[str, dict] = {}
-
 
 def lost_without_super(*, offloaded: bool, overlap: bool, schedule: bool) -> dict[str, str]:
     """By hook, what a run with these settings loses where an override does not call up."""
@@ -69,8 +64,10 @@ def warn_of_overrides_without_super(cls: type, mixin: type, lost: dict[str, str]
                     UserWarning,
                     code.co_filename,
                     code.co_firstlineno,
-                    module=override.__module__,  # for filters naming the module
-                    registry=_SHOWN.setdefault(code.co_filename, {}),
+                    # As warnings.warn from the override's module: filters naming it apply,
+                    # and its registry shows the warning once (a tuner builds optimizers again).
+                    module=override.__module__,
+                    registry=override.__globals__.setdefault("__warningregistry__", {}),
                     module_globals=override.__globals__,
                 )
                 break
