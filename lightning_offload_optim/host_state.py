@@ -156,16 +156,19 @@ def _cuda_host_register(pointer: int, nbytes: int, device: torch.device) -> int:
     return error
 
 
-def _cuda_host_unregister(pointer: int) -> None:
-    if int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0:
+def _cuda_host_unregister(pointer: int) -> int:
+    """cudaHostUnregister; the error code is returned (a release cannot do anything with it)."""
+    error = int(torch.cuda.cudart().cudaHostUnregister(pointer))
+    if error != 0:
         _consume_cuda_error()
+    return error
 
 
 def registered_empty(
     numel: int,
     dtype: torch.dtype,
     register: Callable[[int, int], int],
-    unregister: Callable[[int], None] = _cuda_host_unregister,
+    unregister: Callable[[int], object] = _cuda_host_unregister,
 ) -> tuple[Tensor, list[int]]:
     """A flat host buffer whose pages belong to it alone, registered with ``register``.
 

@@ -317,10 +317,19 @@ def test_lightning_overlap_and_resident_match_torch_on_gpu(tmp_path, precision):
     assert_same(list(offload.parameters()), list(reference.parameters()))
 
 
-def test_many_tiny_arenas_next_to_large_ones_are_all_pinned():
+def test_many_tiny_arenas_next_to_large_ones_are_all_pinned(monkeypatch):
     """Small host buffers share heap pages; registering a page twice fails. A bf16 model with a
     few fp32 parameters, amsgrad on one group, complex parameters: many small arenas, each
-    registered on pages of its own, and training matches the references."""
+    registered on pages of its own, training matches the references, and every registered
+    piece is unregistered without an error when the optimizer goes."""
+    from lightning_offload_optim import host_state
+
+    real_unregister, unregister_errors = host_state._cuda_host_unregister, []
+    monkeypatch.setattr(
+        host_state,
+        "_cuda_host_unregister",
+        lambda pointer: unregister_errors.append(real_unregister(pointer)),
+    )
     bf16 = make_params([(4096, 1024), (17,), (3,)], dtype=torch.bfloat16, device=CUDA)
     fp32 = make_params([(5,), (1,), (2048, 512)], device=CUDA, seed=1)
     complex_params = make_params([(3,), (2, 2)], dtype=torch.complex64, device=CUDA, seed=2)
@@ -345,8 +354,11 @@ def test_many_tiny_arenas_next_to_large_ones_are_all_pinned():
     assert all(b.is_pinned() for a in opt._host.arenas for b in a.buffers.values())
     page_slack = 2 * PAGE_SIZE * sum(len(a.buffers) for a in opt._host.arenas)
     assert stats["host_bytes"] <= stats["state_bytes"] + page_slack
+    registered = len(unregister_errors)
     del opt  # unregistering waits for in-flight copies and must not fail
+    gc.collect()
     torch.cuda.synchronize()
+    assert len(unregister_errors) > registered and not any(unregister_errors[registered:])
 
 
 def test_pinned_state_stays_out_of_forked_processes_and_keeps_training():
