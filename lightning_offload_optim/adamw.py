@@ -51,9 +51,11 @@ from lightning_offload_optim.validation import (
     check_gradient,
     check_hyperparameters,
     check_resident,
+    checked_step,
     describe,
     group_hyperparameters,
     is_int,
+    is_own_step,
     match_loaded_state,
 )
 
@@ -545,6 +547,9 @@ class OffloadAdamW(torch.optim.AdamW):
                     )
                 else:
                     self._check_unchanged(param, part, slot, g, position)
+                    if not is_own_step(state.get("step")):  # replaced (or deleted) by hand
+                        where = f"'step' in optimizer.state for {describe(g, position)}"
+                        state["step"] = checked_step(state.get("step"), where)
                 found.append((param, part, g, slot, state["step"] if state else None))
         if foreign:
             self._adopt_state(foreign)
@@ -850,10 +855,8 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._plans.clear()
                 self._next_chunks = []  # they may hold arenas just dropped (and their buffers)
                 for m in matched:
-                    # A copy (steps advance in place); fused AdamW saves them on the device.
-                    step = torch.as_tensor(m.entry["step"]).detach()
-                    step = step.to("cpu", torch.float32, copy=True)
-                    self._mark_offloaded(m.param, slots[m.param], step)
+                    # A copy of its own (steps advance in place), checked by check_entry.
+                    self._mark_offloaded(m.param, slots[m.param], checked_step(m.entry["step"], ""))
             except BaseException as error:
                 what = "load_state_dict()" if replace else "adopting state found in .state"
                 self._interrupted = f"{what} failed partway through writing it ({_name(error)})"

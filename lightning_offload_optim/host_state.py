@@ -109,11 +109,13 @@ class ParamLayout:
         return cls(param.shape, param.stride(), param.dtype, param.device, real.numel(), order)
 
     def flat(self, tensor: Tensor) -> Tensor:
-        """A flat real view of a tensor laid out like the parameter (a copy if it is not)."""
+        """A flat, contiguous real view of a tensor laid out like the parameter (a copy if it is
+        not: a gradient expanded from one element, a ``.real`` or ``[..., 0]`` view, whose flat
+        view would be strided, and the fused kernel reads its tensors as contiguous)."""
         real = torch.view_as_real(tensor) if tensor.is_complex() else tensor
-        if not self.permuted:
-            return real.reshape(-1)
-        return real.permute(self.order).reshape(-1)
+        if self.permuted:
+            real = real.permute(self.order)
+        return real.reshape(-1).contiguous()
 
     def unflat(self, flat: Tensor) -> Tensor:
         """The inverse of :meth:`flat`: a view of ``flat`` shaped and strided like the param."""

@@ -198,7 +198,10 @@ class LoadedEntry:
     local: dict[str, Tensor]
 
 
-def _check_step(value: Any, where: str) -> None:
+def checked_step(value: Any, what: str) -> Tensor:
+    """A step count as the optimizer keeps it, a float32 scalar of its own on the host (the
+    kind torch's fused AdamW keeps), from any number or 1-element tensor holding a finite
+    count >= 0; ``what`` names the value in the error otherwise."""
     if isinstance(value, Tensor):
         ok = (
             value.numel() == 1
@@ -209,9 +212,21 @@ def _check_step(value: Any, where: str) -> None:
         ok = is_number(value)
     if not ok or not (math.isfinite(float(value)) and float(value) >= 0):
         raise ValueError(
-            f"loaded 'step' for {where} is {_kind(value)}; expected a finite number >= 0 or a "
-            "1-element tensor holding one"
+            f"{what} is {_kind(value)}; expected a finite number >= 0 or a 1-element tensor "
+            "holding one"
         )
+    return torch.as_tensor(value).detach().to("cpu", torch.float32, copy=True).reshape(())
+
+
+def is_own_step(value: Any) -> bool:
+    """Whether a step count in ``optimizer.state`` is of the optimizer's own kind (else it was
+    replaced by hand, and :func:`checked_step` makes it one)."""
+    return (
+        isinstance(value, Tensor)
+        and value.dtype is torch.float32
+        and value.is_cpu
+        and value.dim() == 0
+    )
 
 
 def _check_tensor(name: str, value: Any, param: Tensor, where: str) -> Tensor:
@@ -254,7 +269,7 @@ def check_entry(entry: Any, param: Tensor, amsgrad: bool, where: str) -> LoadedE
     missing = [k for k in required if k not in entry]
     if missing:
         raise KeyError(f"loaded state for {where} is missing {missing}")
-    _check_step(entry["step"], where)
+    checked_step(entry["step"], f"loaded 'step' for {where}")
     parts = {
         name: _check_tensor(name, entry[name], param, where)
         for name in OFFLOADED_KEYS

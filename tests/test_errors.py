@@ -612,6 +612,44 @@ def test_step_count_without_moments_in_optimizer_state_is_refused():
     assert_same(params, before)
 
 
+@pytest.mark.parametrize(
+    "step", [torch.tensor(0), 2, torch.tensor([2.0], dtype=torch.float64)], ids=str
+)
+@pytest.mark.parametrize("mode", [{}, {"force_staging": True}], ids=["direct", "staged"])
+def test_step_count_replaced_by_hand_is_taken_as_a_float32_count(mode, step):
+    """``state[p]["step"] = torch.tensor(0)`` (a bias-correction reset): an int, a Python
+    number or a 1-element tensor of another shape is taken as the count it holds, before the
+    update advances any count, and the parameter steps as a torch AdamW given that count."""
+    opt, params = trained(**mode)
+    reference_params = clone_params(params)
+    reference = torch.optim.AdamW(reference_params, fused=True)
+    reference.load_state_dict(copy.deepcopy(opt.state_dict()))  # not views of our buffers
+    opt.state[params[1]]["step"] = step
+    reference.state[reference_params[1]]["step"] = torch.tensor(float(step))
+    step_together([opt, reference], [params, reference_params], torch.Generator(), 2)
+    assert_same(params, reference_params)
+    steps = [opt.state[p]["step"] for p in params]
+    assert all(s.dtype == torch.float32 and s.shape == () for s in steps)
+    assert_same(steps, [reference.state[p]["step"] for p in reference_params])
+
+
+@pytest.mark.parametrize("step", [-1.0, "3", None, torch.tensor([1.0, 2.0])], ids=str)
+def test_bad_step_count_in_optimizer_state_is_refused_before_any_count_advances(step):
+    """A step count replaced by hand with no count (or deleted) is refused, naming the
+    parameter, before the update advances the other parameters' counts; put back, it steps
+    as its twin does."""
+    (opt, params), (twin, twin_params) = twins()
+    kept = opt.state[params[1]]["step"]
+    if step is None:
+        del opt.state[params[1]]["step"]
+    else:
+        opt.state[params[1]]["step"] = step
+    with pytest.raises(ValueError, match=r"'step' in optimizer.state for parameter 1 of param"):
+        opt.step()
+    opt.state[params[1]]["step"] = kept
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
 def test_load_that_torch_refuses_changes_nothing_when_written_in_place():
     """Our checks pass this dict (an extra entry torch's own load cannot cast), torch's load
     refuses it: the moments must not have been written into the current buffers already."""

@@ -299,6 +299,37 @@ def test_channels_last_parameters(mode):
     assert_state_equal(offload, torch_opt, params, reference)
 
 
+NON_DENSE_GRADIENTS = {
+    # torch.autograd.grad(p.sum(), p) gives this: one element, stride 0.
+    "expanded": lambda shape, g: torch.randn(1, generator=g).expand(shape),
+    "complex-real": lambda shape, g: torch.randn(shape, dtype=torch.complex64, generator=g).real,
+    "every-other": lambda shape, g: torch.randn((*shape[:-1], 2 * shape[-1]), generator=g)[
+        ..., ::2
+    ],
+}
+
+
+@pytest.mark.parametrize("gradient", NON_DENSE_GRADIENTS)
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_gradients_with_gaps_or_repeats_step_like_their_dense_copies(mode, gradient):
+    """A gradient whose flat view is strided (repeated or spaced elements) is read element by
+    element, not as contiguous memory (past the end of an expanded one's single element)."""
+    params = make_params([(4097,), (5, 70)])
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, **mode)
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        for p, r in zip(params, reference, strict=True):
+            p.grad = NON_DENSE_GRADIENTS[gradient](p.shape, generator)
+            assert not p.grad.is_contiguous()
+            r.grad = p.grad.contiguous()
+        offload.step()
+        torch_opt.step()
+    assert_same(params, reference)
+    assert_state_equal(offload, torch_opt, params, reference)
+
+
 def test_new_param_group_after_steps():
     params = make_params()
     reference = clone_params(params)

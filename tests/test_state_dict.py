@@ -550,12 +550,16 @@ def test_max_exp_avg_sq_kept_after_amsgrad_is_switched_off_survives_a_load(into)
 
 
 @pytest.mark.parametrize(
-    "step", [torch.tensor(2, dtype=torch.int32), torch.tensor(0.0), 0], ids=["int32", "zero", "0"]
+    "step",
+    [torch.tensor(2, dtype=torch.int32), torch.tensor(0.0), 0, torch.tensor([3.0])],
+    ids=["int32", "zero", "0", "shape-1"],
 )
-def test_step_counts_of_any_valid_kind_load_as_in_torch(step):
-    """A step count of 0 and integer tensors of either width are valid entries."""
+@pytest.mark.parametrize("force_staging", [False, True], ids=["direct", "staged"])
+def test_step_counts_of_any_valid_kind_load_as_in_torch(step, force_staging):
+    """A step count of 0, integer tensors of either width and a 1-element tensor of shape
+    (1,) are valid entries, kept as float32 scalars (the staged step stacks them)."""
     params = make_params()
-    opt = OffloadAdamW(params)
+    opt = OffloadAdamW(params, force_staging=force_staging)
     generator = torch.Generator().manual_seed(9)
     step_together([opt], [params], generator, 2)
     reference_params = clone_params(params)
