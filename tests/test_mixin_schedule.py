@@ -398,6 +398,63 @@ def test_the_lr_finders_suggestion_becomes_the_peak_of_the_warm_up(tmp_path, mon
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
+class ScalableBatch(TinyModel):
+    """TinyModel whose batch size the BatchSizeFinder can scale (``hparams.batch_size``)."""
+
+    def __init__(self, batch_size: int = 2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(32), batch_size=self.hparams.batch_size)
+
+
+def test_the_cosine_spans_the_run_after_the_batch_size_finder_callback(tmp_path):
+    """Lightning's BatchSizeFinder callback scales the batch size in its on_fit_start, after
+    configure_optimizers sized the cosine from the old epoch length (32 steps, not 16 at the
+    batch size found): the schedule follows the run that trains, to its end."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    model = ScalableBatch(batch_size=2, warmup_steps=2, lr_schedule="cosine")
+    finder = BatchSizeFinder(mode="power", max_trials=2, steps_per_trial=1)
+    recorder = fit_recording(tmp_path, model, max_steps=-1, max_epochs=2, callbacks=[finder])
+    assert model.hparams.batch_size == 4
+    expected = [LR * reference_lr_factor(2, 16, 0.0, step) for step in range(16)]
+    assert [recorder.lrs[s][0] for s in range(16)] == pytest.approx(expected, rel=1e-9)
+
+
+class Streamed(TinyModel):
+    """TinyModel fed by an IterableDataset without a length."""
+
+    def train_dataloader(self) -> DataLoader:
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                yield from make_data()
+
+        return DataLoader(Stream(), batch_size=4)
+
+
+def test_a_cosine_over_data_without_length_asks_for_max_steps(tmp_path):
+    """Lightning estimates -1 steps for an IterableDataset without max_steps: the error says
+    what to set, not that an internal total_steps was -1."""
+    model = Streamed(warmup_steps=2, lr_schedule="cosine")
+    with pytest.raises(
+        ValueError, match=r"which is -1: .*IterableDataset.*set the Trainer's max_st"
+    ):
+        trainer(tmp_path, max_steps=-1, max_epochs=1).fit(model)
+    recorder = fit_recording(tmp_path, Streamed(warmup_steps=2, lr_schedule="cosine"), max_steps=4)
+    expected = [LR * reference_lr_factor(2, 4, 0.0, step) for step in range(4)]
+    assert [recorder.lrs[s][0] for s in range(4)] == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_cosine_over_no_training_steps_lets_the_fit_run(tmp_path):
+    """limit_train_batches=0 (validation only) trains no step: nothing to size, no error."""
+    model = TinyModel(warmup_steps=2, lr_schedule="cosine")
+    run = trainer(tmp_path, max_steps=-1, max_epochs=1, limit_train_batches=0)
+    run.fit(model)
+    assert run.global_step == 0
+
+
 def test_a_set_of_parameters_is_refused_as_torch_refuses_it():
     """torch refuses a set (its order changes between runs); the mixin's split must not
     accept one first."""

@@ -276,16 +276,7 @@ class OffloadOptimizerMixin:
         warn_of_overrides_without_super(type(self), OffloadOptimizerMixin, lost)
         if not scheduled:
             return optimizer
-        total = None
-        if schedule == "cosine":
-            trainer = getattr(self, "_trainer", None)
-            estimate = trainer.estimated_stepping_batches if trainer is not None else math.inf
-            if not math.isfinite(estimate):
-                raise ValueError(
-                    "lr_schedule='cosine' is sized from trainer.estimated_stepping_batches: it "
-                    "needs the module attached to a Trainer with max_steps or max_epochs set"
-                )
-            total = int(estimate)
+        total = _cosine_length(getattr(self, "_trainer", None)) if schedule == "cosine" else None
         scheduler = WarmupCosineLR(optimizer, warmup, total, min_lr_ratio)
         return {
             "optimizer": optimizer,
@@ -317,7 +308,9 @@ class OffloadOptimizerMixin:
                 stacklevel=2,
             )
         for config in trainer.lr_scheduler_configs if trainer is not None else []:
-            if isinstance(config.scheduler, WarmupCosineLR):  # after the LR finder's writes
+            if isinstance(config.scheduler, WarmupCosineLR):  # after the tuners' callbacks
+                if config.scheduler.total_steps is not None:
+                    config.scheduler.follow_length(_cosine_length(trainer))
                 config.scheduler.take_set_lrs_as_peaks()
         if trainer is not None and self._offload_overlaps():
             trainer.callbacks[:] = [_WaitForUpdates(), *_without_waits(trainer.callbacks)]
@@ -446,6 +439,23 @@ def _watch_training_step(module: OffloadOptimizerMixin) -> None:
 
     watched._offload_watch = True  # type: ignore[attr-defined]
     module.training_step = watched  # type: ignore[method-assign]
+
+
+def _cosine_length(trainer: pl.Trainer | None) -> int:
+    """The cosine's length: the Trainer's estimate of the optimizer steps it will take."""
+    estimate = trainer.estimated_stepping_batches if trainer is not None else math.inf
+    if not math.isfinite(estimate):
+        raise ValueError(
+            "lr_schedule='cosine' is sized from trainer.estimated_stepping_batches: it needs "
+            "the module attached to a Trainer with max_steps or max_epochs set"
+        )
+    if estimate < 0 and trainer.limit_train_batches != 0:  # max_steps=-1, data of no length
+        raise ValueError(
+            "lr_schedule='cosine' is sized from trainer.estimated_stepping_batches, which is "
+            f"{estimate}: the training data has no length (an IterableDataset); set the "
+            "Trainer's max_steps"
+        )
+    return max(1, int(estimate))  # limit_train_batches=0, max_steps=0: no step to decay
 
 
 def _as_tuple(value: Any) -> Any:

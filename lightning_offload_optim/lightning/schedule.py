@@ -66,7 +66,8 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
 
     - A group added after the scheduler was made follows the schedule from where it is: its base
       lr is its lr when first seen divided by the factor then in effect.
-    - :meth:`take_set_lrs_as_peaks` takes learning rates set by hand before the first step as
+    - :meth:`follow_length` sizes the decay again before the first step, and
+      :meth:`take_set_lrs_as_peaks` takes learning rates set by hand before the first step as
       the groups' base (peak) lrs: the mixin calls it as training starts, after Lightning's
       ``LearningRateFinder`` wrote its suggestion into every group (and into ``hparams.lr``,
       the mixin's peak lr).
@@ -134,6 +135,16 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
                 self._rebase(i, float(group["lr"]), in_effect)
         self._written = [base * self.factor(self.last_epoch) for base in self.base_lrs]
         return list(self._written)
+
+    def follow_length(self, total_steps: int) -> None:
+        """Before the first step, decay over ``total_steps`` instead: the Trainer's length
+        changed since this scheduler was made (``BatchSizeFinder`` scaled the batch size in
+        its ``on_fit_start``, after ``configure_optimizers``). The first step's factor does
+        not depend on the length."""
+        if self.last_epoch != 0 or self.total_steps is None:
+            return
+        check_schedule(self.warmup_steps, total_steps, self.min_lr_ratio)
+        self.total_steps = total_steps
 
     def take_set_lrs_as_peaks(self) -> None:
         """Before the first step, take each lr set by hand since this scheduler wrote it as the
