@@ -101,6 +101,7 @@ class ForwardOverlap:
         self.order: dict[Tensor, int] = {}
         self._count = sum(1 for _ in module.parameters())  # order is complete at this size
         self._reached: set[int] = set()  # ids of parameters whose hook ran since the last step
+        self._reached_in_pass: set[int] = set()  # ... in the watched pass now running
         # By parameter id, the handle of its gradient hook. Not the parameters, not even weakly:
         # torch.utils.swap_tensors (Module.to with swapping on, always for DTensors) refuses
         # weakly referenced ones.
@@ -205,6 +206,8 @@ class ForwardOverlap:
                 self.order.setdefault(param, len(self.order))
         if torch.is_grad_enabled():  # a training forward (evaluation may call other modules)
             self._reached.update(id(p) for p in params)
+        if self.watching:  # what this pass reads from here on is read after the hook
+            self._reached_in_pass.update(id(p) for p in params)
         if not self.pending:
             return
         self._wait(p for p in params if p in self.pending)
@@ -261,14 +264,14 @@ class ForwardOverlap:
         self._unordered.update((param, write_mark(param)) for param in current)
         self._hook_gradients(current)  # parameters unfrozen or outside the module since
         reached, self._reached = self._reached, set()
-        self._watch.stopped = True  # nothing was pending before the first step; now it is
-        if not reached:  # no forward pass seen: nothing is known to wait later
+        if not reached:  # no forward pass seen: nothing is known to wait later (nor watched)
             self._unhooked_steps += 1
             if self._unhooked_steps == 2:
                 warnings.warn(_UNHOOKED_WARNING, stacklevel=5)
             self.wait_all()
             return
         self._unhooked_steps = 0
+        self._watch.stopped = True  # nothing was pending before this step; now it is
         unreached = {
             id(p) for p in current if id(p) not in reached or id(p) in self.read_before_hook
         }
@@ -340,7 +343,8 @@ class ForwardOverlap:
         """Watch a forward pass (or a Lightning ``training_step``) for parameters read before
         their hook, until the first step (see :class:`_ReadWatch`); calls nest, and each must
         be matched by :meth:`end_watch`."""
-        self._watch.begin()
+        if self._watch.begin():  # a new pass: its own module hooks have not run yet
+            self._reached_in_pass.clear()
 
     def end_watch(self) -> None:
         self._watch.end()
@@ -350,7 +354,7 @@ class ForwardOverlap:
             if (
                 isinstance(value, Tensor)
                 and id(value) in self._module_params
-                and id(value) not in self._reached
+                and id(value) not in self._reached_in_pass
             ):
                 self.read_before_hook.add(id(value))
 
@@ -396,18 +400,25 @@ class _ReadWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         overlap = self._overlap()
-        watched = not self.stopped and overlap is not None and torch.is_grad_enabled()
+        # A training pass (grad mode on as it began) is watched whole: also its reads under
+        # no_grad, inside a custom autograd.Function's forward or a reentrant checkpoint.
+        watched = (
+            not self.stopped and overlap is not None and getattr(self._depth, "training", False)
+        )
         if watched and _reads_data(func, result):
             overlap._note_reads(tree_leaves((args, kwargs)))
         return result
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
+        """Put the mode on this thread's stack; True where this begins a new outermost pass."""
         if self.stopped:  # the ends of passes begun before still take it off the stack
-            return
+            return False
         depth = getattr(self._depth, "value", 0)
         if depth == 0:
+            self._depth.training = torch.is_grad_enabled()  # an evaluation pass is not watched
             torch._C._push_on_torch_function_stack(self)
         self._depth.value = depth + 1
+        return depth == 0
 
     def end(self) -> None:
         """After the stop, the first end takes it off the stack: also where a pass interrupted

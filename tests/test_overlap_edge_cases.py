@@ -30,6 +30,7 @@ from conftest import (
 )
 from lightning_models import make_data, trainer
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadAdamW, OffloadOptimizerMixin
@@ -670,3 +671,97 @@ def test_an_arena_dropped_after_the_overlap_is_removed_is_freed():
     train_alike(pair, inputs * 2)
     gc.collect()
     assert old() is None
+
+
+# ------------------------------------------------ reads before a hook that the watch must see
+class _TableLookup(torch.autograd.Function):
+    """A custom (fused-kernel style) embedding lookup: its forward runs with grad off."""
+
+    @staticmethod
+    def forward(ctx, tokens, weight):
+        ctx.save_for_backward(tokens)
+        ctx.shape = weight.shape
+        return weight[tokens]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (tokens,) = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        return None, torch.zeros(ctx.shape).index_add_(0, tokens.flatten(), flat)
+
+
+class TiedLookup(nn.Module):
+    """``head.weight`` is read as an embedding table before ``head``'s own hook runs, in one
+    of several ways; ``tied=False`` takes the untied path, which calls only hooked modules."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+
+    def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.head.weight)
+
+    def forward(self, tokens: torch.Tensor, tied: bool = True) -> torch.Tensor:
+        if not tied:
+            x = self.emb(tokens)
+        elif self.how == "no_grad":
+            with torch.no_grad():
+                table = self.head.weight * 1.0
+            x = F.embedding(tokens, table)
+        elif self.how == "function":
+            x = _TableLookup.apply(tokens, self.head.weight)
+        elif self.how == "reentrant":
+            x = checkpoint(self.lookup, tokens, use_reentrant=True) + self.emb(tokens) * 0
+        else:
+            x = self.lookup(tokens)
+        return self.head(torch.tanh(self.mid(x))).logsumexp(-1).mean()
+
+
+def train_tied(how="plain", passes=lambda step: [True], before_step=lambda step, opt, m: None):
+    """Four overlapped steps against torch's fused AdamW; the checker sees every access."""
+    model = TiedLookup(how)
+    twin = copy.deepcopy(model)
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    ours.overlap_with(model)
+    reference = torch.optim.AdamW(twin.parameters(), lr=0.05, fused=True)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        for tied in passes(step):
+            tokens = torch.randint(0, 10, (3, 4), generator=generator)
+            model(tokens, tied).backward()
+            twin(tokens, tied).backward()
+        before_step(step, ours, model)
+        for optimizer in (ours, reference):
+            optimizer.step()
+            optimizer.zero_grad()
+    ours.wait_for_updates()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+    assert id(model.head.weight) in ours._overlapping().read_before_hook
+
+
+@pytest.mark.parametrize("how", ["plain", "no_grad", "function", "reentrant"])
+def test_reads_before_the_hook_are_seen_whatever_the_grad_mode_inside_the_pass(how):
+    """A training pass is watched whole: a read under no_grad, in a custom Function's forward
+    or in a reentrant checkpoint (both run with grad off) is found and waited for."""
+    train_tied(how)
+
+
+def test_overlap_turned_on_between_backward_and_step_still_watches_later_passes():
+    """A step that saw no forward waits for everything, and leaves the watch on for the next
+    pass (which finds the read before the hook)."""
+
+    def replace_overlap(step, optimizer, model):
+        if step == 0:
+            optimizer.overlap_with(model)
+
+    train_tied(before_step=replace_overlap)
+
+
+def test_a_read_before_the_hook_in_a_later_micro_batch_is_seen():
+    """The first micro-batch calls only hooked modules; the second reads head.weight before
+    head runs: 'reached' counts per pass, not since the last step."""
+    train_tied(passes=lambda step: [False, True] if step == 0 else [True])
