@@ -202,6 +202,29 @@ def test_state_of_parameters_past_the_first_saves_and_copies_like_torch(mesh, sh
                 assert_same([value.full_tensor()], [theirs[index][key].full_tensor()])
 
 
+def test_saved_dtensor_state_dict_is_the_size_of_torch_adamws(mesh):
+    """``torch.save`` writes each local tensor's whole storage. The first parameter's state
+    starts at offset 0 of a host buffer: its local tensor must not carry the whole buffer,
+    or the file holds that buffer again beside every other parameter's state."""
+    shapes = [(256, 64), (64,), (128, 32)]
+    params = dtensor_params(mesh, shapes)
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = OffloadAdamW(params, lr=0.1)
+    torch_opt = torch.optim.AdamW(reference, lr=0.1, fused=True)
+    for p, r in zip(params, reference, strict=True):
+        p.grad = distribute_tensor(torch.ones(p.shape), mesh, [Shard(0)])
+        r.grad = distribute_tensor(torch.ones(p.shape), mesh, [Shard(0)])
+    opt.step()
+    torch_opt.step()
+    sizes = []
+    for state_dict in (opt.state_dict(), torch_opt.state_dict()):
+        buffer = io.BytesIO()
+        torch.save(state_dict, buffer)
+        sizes.append(buffer.tell())
+    ours, theirs = sizes
+    assert ours <= 1.02 * theirs, f"saved {ours} bytes, torch AdamW {theirs}"
+
+
 def test_state_of_low_precision_dtensor_parameters_is_float32_throughout(mesh):
     """bf16 parameters keep fp32 state: the DTensor's dtype must say so, as its shard does."""
     generator = torch.Generator().manual_seed(0)
