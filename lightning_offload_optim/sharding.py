@@ -22,13 +22,14 @@ import torch
 from torch import Tensor
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._dtensor_spec import TensorMeta
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     _DTENSOR: type | tuple = DTensor
 except ImportError:  # a torch build without torch.distributed: no DTensors can exist
-    DTensor = Replicate = None  # type: ignore[assignment,misc]
+    DTensor = Replicate = Shard = _StridedShard = distribute_tensor = None  # type: ignore[assignment,misc]
     _DTENSOR = ()  # isinstance(x, ()) is False
 
 
@@ -133,11 +134,51 @@ def like_param(param: Tensor, state: Tensor) -> Tensor:
 
 
 def _local_slice(full: Tensor, param: Tensor) -> Tensor:
-    """This rank's shard of ``full``, a tensor of ``param``'s global shape (a view)."""
+    """This rank's shard of ``full``, a tensor of ``param``'s global shape: a view where the
+    shard is a block of ``full`` (``Shard``, and ``_StridedShard`` as FSDP2 lays it over a
+    tensor-parallel shard), else a copy of the rows it takes."""
+    if any(isinstance(p, _StridedShard) for p in param.placements):
+        return _strided_local_part(full, param)
     shape, offset = compute_local_shape_and_global_offset(
         param.shape, param.device_mesh, param.placements
     )
     return full[tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))]
+
+
+def _strided_local_part(full: Tensor, param: Tensor) -> Tensor:
+    """This rank's shard of ``full`` under placements with a ``_StridedShard``, which can
+    take rows that are not one block (rows 0, 1, 4, 5 of 8 on the first of two ranks): the
+    rows of each dimension are found by sharding their indices as ``param`` is sharded.
+
+    ``distribute_tensor`` with ``src_data_rank=None`` takes each rank's part of a tensor
+    every rank holds, without communicating; sharding only small index tensors keeps
+    ``full`` off a CUDA mesh's device.
+    """
+    part = full
+    for dim, size in enumerate(param.shape):
+        placements = [
+            p if isinstance(p, (Shard, _StridedShard)) and p.dim == dim else Replicate()
+            for p in param.placements
+        ]
+        if all(isinstance(p, Replicate) for p in placements):
+            continue
+        shape = [1] * param.dim()
+        shape[dim] = size
+        indices = torch.arange(size).view(shape)
+        try:
+            mine = distribute_tensor(indices, param.device_mesh, placements, src_data_rank=None)
+        except TypeError as error:  # a torch without src_data_rank
+            raise ValueError(
+                f"this torch cannot take a rank's part of a tensor sharded with {param.placements} "
+                "without communicating; load it resharded with torch.distributed.checkpoint"
+            ) from error
+        rows = mine.to_local().reshape(-1).cpu()
+        first = int(rows[0]) if rows.numel() else 0
+        if torch.equal(rows, torch.arange(first, first + rows.numel())):
+            part = part.narrow(dim, first, rows.numel())
+        else:
+            part = part.index_select(dim, rows.to(full.device))
+    return part
 
 
 def local_source(source: Tensor, param: Tensor, where: str) -> Tensor:

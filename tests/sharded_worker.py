@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning_offload_optim.host_state as host_state
 from lightning_offload_optim import OffloadAdamW
@@ -269,6 +270,50 @@ def tensor_parallel_placements(mesh) -> dict:
                 for i in range(len(params))
             ]
     result["param_placements"] = [str((placement,)) for _, placement in layouts]
+    return result
+
+
+def strided_shard_loads(mesh) -> dict:
+    """Full tensors and replicated DTensors loaded into parameters whose ``_StridedShard``
+    placement takes rows that are not one block (rows 0, 1, 4, 5 of 8 on rank 0; uneven with
+    9 rows; along dimension 1): each rank must take its own rows, not a block at its offset.
+    The reference is the saved state gathered by DTensor itself. (Every rank makes the same
+    tensors and takes its part without a scatter, which uneven strided shards do not take.)"""
+    layouts = [
+        ((8, 3), _StridedShard(0, split_factor=2)),
+        ((9, 4), _StridedShard(0, split_factor=2)),
+    ]
+    layouts.append(((3, 8), _StridedShard(1, split_factor=2)))
+    generator = torch.Generator().manual_seed(7)
+    values = [torch.randn(shape, generator=generator) for shape, _ in layouts]
+
+    def make() -> tuple[list[nn.Parameter], OffloadAdamW]:
+        params = [
+            nn.Parameter(distribute_tensor(v.clone(), mesh, [placement], src_data_rank=None))
+            for v, (_, placement) in zip(values, layouts, strict=True)
+        ]
+        return params, OffloadAdamW(params, **HYPER)
+
+    params, optimizer = make()
+    for p, (shape, placement) in zip(params, layouts, strict=True):
+        grad = torch.randn(shape, generator=generator)
+        p.grad = distribute_tensor(grad, mesh, [placement], src_data_rank=None)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    keys = ("exp_avg", "exp_avg_sq")
+    reference = [saved["state"][i][k].full_tensor() for i in range(len(params)) for k in keys]
+    result = {"reference": reference * 2, "ours": []}
+    for convert in (
+        lambda t: t.full_tensor(),
+        lambda t: t.redistribute(t.device_mesh, [Replicate()]),
+    ):
+        converted = copy.deepcopy(saved)
+        for entry in converted["state"].values():
+            entry.update({k: convert(entry[k]) for k in keys})
+        fresh, fresh_optimizer = make()
+        fresh_optimizer.load_state_dict(converted)
+        loaded = [fresh_optimizer.offloaded_state(p) for p in fresh]
+        result["ours"] += [state[k].full_tensor() for state in loaded for k in keys]
     return result
 
 
@@ -648,6 +693,7 @@ def scenarios(phase: str, out: Path) -> dict[str, Callable]:
         ),
         "fsdp_overlapped_grouped_without_group": fsdp_overlapped("grouped", "group"),
         "tensor_parallel_placements": tensor_parallel_placements,
+        "strided_shard_loads": strided_shard_loads,
         "refusals": refusals,
         "zero_redundancy": zero_redundancy,
         "sharded_state_dict": sharded_state_dict,

@@ -26,6 +26,7 @@ TWO_RANK_SCENARIOS = [
     "fsdp_overlapped_grouped",
     "fsdp_overlapped_streams_unknown",
     "tensor_parallel_placements",
+    "strided_shard_loads",
     "refusals",
     "zero_redundancy",
     "sharded_state_dict",
