@@ -203,9 +203,12 @@ class MemoryPlan:
         first step over every trainable parameter (with ``resident``, after the second: the
         resident state is chosen then; for ``"auto"`` an estimate, since the optimizer
         measures the free memory)."""
+        if not is_int(rank) or not 0 <= rank < self.gpus:
+            raise ValueError(
+                f"rank must be an int: the plan holds node 0's ranks, 0 to {self.gpus - 1}; "
+                f"got {rank!r}"
+            )
         index = rank if self.strategy == "fsdp2" else 0
-        if not 0 <= rank < self.gpus:
-            raise ValueError(f"the plan holds node 0's ranks, 0 to {self.gpus - 1}; got {rank}")
         state = self.rank_state_bytes[index]
         return {
             "state_bytes": state,
@@ -479,6 +482,10 @@ def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:
         dtype = PRECISIONS[DEFAULT_PRECISION]
     if isinstance(model, bool) or model is None:
         raise TypeError(f"cannot plan for {model!r}: give a count, a config or an nn.Module")
+    if is_number(model) and not is_int(model):  # 7e9, as counts are often written
+        if not math.isfinite(model) or model != int(model):
+            raise ValueError(f"the parameter count must be a whole number, got {model!r}")
+        model = int(model)
     if is_int(model):
         if model < 1:
             raise ValueError(f"the parameter count must be at least 1, got {model}")
@@ -689,7 +696,7 @@ def plan(
     """Bytes per GPU and per node for training ``model`` with and without OffloadAdamW.
 
     Args:
-        model: a parameter count; a preset (``"7b"``, ``"13b"``, ``"70b"``: Llama-2); a Hugging
+        model: a parameter count (an int, or a whole float such as ``7e9``); a preset (``"7b"``, ``"13b"``, ``"70b"``: Llama-2); a Hugging
             Face config of the Llama layout, as a dict, an object with attributes, or a path to
             its ``config.json`` (or folder); or an ``nn.Module``, on any device (meta included),
             whose parameters with ``requires_grad`` are trained (an ``OffloadOptimizerMixin``'s
@@ -741,8 +748,11 @@ def plan(
         gpu_memory = _positive_int("gpu_memory", gpu_memory)
     if host_memory is not None:
         host_memory = _positive_int("host_memory", host_memory)
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+    if not is_number(headroom) or not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be a number in [0, 1), got {headroom!r}")
+    for name, flag in (("amsgrad", amsgrad), ("pin_memory", pin_memory)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
     resident = check_resident(resident)
     if bandwidth is not None and (not is_number(bandwidth) or not 0 < bandwidth < math.inf):
         raise ValueError(f"bandwidth must be a positive number of GB/s, got {bandwidth!r}")

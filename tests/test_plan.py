@@ -555,7 +555,13 @@ def test_numpy_numbers_plan_as_the_python_ones():
         (10, {"gpus": 0}, "gpus must be an int of at least 1"),
         (10, {"nodes": 1.5}, "nodes must be an int"),
         (10, {"chunk_size": 32}, "chunk_size must be an int of at least 64"),
-        (10, {"headroom": 1.0}, "headroom must be in"),
+        (10, {"headroom": 1.0}, "headroom must be a number in"),
+        (10, {"headroom": "0.1"}, "headroom must be a number in"),
+        (10, {"headroom": None}, "headroom must be a number in"),
+        (10, {"amsgrad": "no"}, "amsgrad must be True or False, got 'no'"),
+        (10, {"pin_memory": None}, "pin_memory must be True or False, got None"),
+        (7.5, {}, "the parameter count must be a whole number, got 7.5"),
+        (float("inf"), {}, "the parameter count must be a whole number, got inf"),
         (-5, {}, "the parameter count must be at least 1"),
         (0, {}, "the parameter count must be at least 1"),
         ({**TINY, "num_hidden_layers": 0}, {}, "has a size below 1"),
@@ -576,6 +582,19 @@ def test_bad_input_is_refused(model, options, message, monkeypatch):
     monkeypatch.setattr(plan_module, "gpu_memory_here", lambda: None)  # as without a GPU
     with pytest.raises(ValueError, match=message):
         plan(model, **{**MACHINE, **options})
+
+
+def test_a_whole_float_count_plans_as_the_int():
+    """``plan(7e9)`` is how a count is often written; it was read as a config ("config float
+    lacks vocab_size")."""
+    assert plan(7e9, **MACHINE) == plan(7 * 10**9, **MACHINE)
+    assert plan(numpy.float64(1e6), **MACHINE) == plan(10**6, **MACHINE)
+
+
+@pytest.mark.parametrize("rank", [1.5, "0", None, True])
+def test_memory_stats_of_a_rank_that_is_not_an_int_is_refused(rank):
+    with pytest.raises(ValueError, match="rank must be an int"):
+        plan(10, gpus=2, **MACHINE).memory_stats(rank)
 
 
 def test_a_non_model_is_refused():
