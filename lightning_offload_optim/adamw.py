@@ -547,9 +547,10 @@ class OffloadAdamW(torch.optim.AdamW):
                     )
                 else:
                     self._check_unchanged(param, part, slot, g, position)
-                    if not is_own_step(state.get("step")):  # replaced (or deleted) by hand
+                    step = state.get("step")
+                    if not is_own_step(step):  # replaced (or deleted) by hand
                         where = f"'step' in optimizer.state for {describe(g, position)}"
-                        state["step"] = checked_step(state.get("step"), where)
+                        state["step"] = checked_step(step, where)
                 found.append((param, part, g, slot, state["step"] if state else None))
         if foreign:
             self._adopt_state(foreign)
@@ -855,8 +856,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._plans.clear()
                 self._next_chunks = []  # they may hold arenas just dropped (and their buffers)
                 for m in matched:
-                    # A copy of its own (steps advance in place), checked by check_entry.
-                    self._mark_offloaded(m.param, slots[m.param], checked_step(m.entry["step"], ""))
+                    self._mark_offloaded(m.param, slots[m.param], m.step)
             except BaseException as error:
                 what = "load_state_dict()" if replace else "adopting state found in .state"
                 self._interrupted = f"{what} failed partway through writing it ({_name(error)})"

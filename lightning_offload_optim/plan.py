@@ -696,11 +696,12 @@ def plan(
     """Bytes per GPU and per node for training ``model`` with and without OffloadAdamW.
 
     Args:
-        model: a parameter count (an int, or a whole float such as ``7e9``); a preset (``"7b"``, ``"13b"``, ``"70b"``: Llama-2); a Hugging
-            Face config of the Llama layout, as a dict, an object with attributes, or a path to
-            its ``config.json`` (or folder); or an ``nn.Module``, on any device (meta included),
-            whose parameters with ``requires_grad`` are trained (an ``OffloadOptimizerMixin``'s
-            in its param groups' order, as its optimizer lays them out).
+        model: a parameter count (an int, or a whole float such as ``7e9``); a preset
+            (``"7b"``, ``"13b"``, ``"70b"``: Llama-2); a Hugging Face config of the Llama
+            layout, as a dict, an object with attributes, or a path to its ``config.json`` (or
+            folder); or an ``nn.Module``, on any device (meta included), whose parameters with
+            ``requires_grad`` are trained (an ``OffloadOptimizerMixin``'s in its param groups'
+            order, as its optimizer lays them out).
         precision: a Lightning precision; it sets the dtype of floating-point parameters
             (``"*-mixed"`` and ``"32-true"`` keep them fp32). ``None``: a module's own dtypes,
             else ``"32-true"``.

@@ -189,13 +189,15 @@ class LoadedEntry:
     """A saved per-parameter state entry, matched to its parameter and checked.
 
     ``local`` holds the entry's offloaded tensors as this rank's part of them, shaped like the
-    parameter's local shard (the tensors themselves for plain parameters).
+    parameter's local shard (the tensors themselves for plain parameters); ``step`` is the
+    entry's step count as a float32 scalar of its own (steps advance it in place).
     """
 
     param: Tensor
     entry: Mapping[str, Any]
     amsgrad: bool
     local: dict[str, Tensor]
+    step: Tensor
 
 
 def checked_step(value: Any, what: str) -> Tensor:
@@ -269,13 +271,13 @@ def check_entry(entry: Any, param: Tensor, amsgrad: bool, where: str) -> LoadedE
     missing = [k for k in required if k not in entry]
     if missing:
         raise KeyError(f"loaded state for {where} is missing {missing}")
-    checked_step(entry["step"], f"loaded 'step' for {where}")
+    step = checked_step(entry["step"], f"loaded 'step' for {where}")
     parts = {
         name: _check_tensor(name, entry[name], param, where)
         for name in OFFLOADED_KEYS
         if name in entry
     }
-    return LoadedEntry(param, entry, amsgrad, parts)
+    return LoadedEntry(param, entry, amsgrad, parts, step)
 
 
 def match_loaded_state(
