@@ -380,7 +380,8 @@ class _ReadWatch(TorchFunctionMode):
     waited for at each step instead, as parameters no hook reaches. Nothing is pending before
     the first step, so watching only until then costs nothing later.
 
-    An op reads a parameter's data when it returns tensors (a view included, as ``.T``): not
+    An op reads a parameter's data when it returns tensors (a view included, as ``.T``) or
+    Python values of its elements (``torch.equal``, ``.tolist()``, ``.item()``): not
     when it only reads or sets metadata (``.dtype``, ``.shape``, ``.grad``, ``requires_grad``,
     as ``zero_grad`` and Lightning's ``toggle_optimizer`` do). The mode is on a thread's stack
     while that thread's watched passes run (``begin``/``end`` nest per thread).
@@ -461,6 +462,11 @@ if not _never_a_compiled_frame(_ReadWatch.__torch_function__):
 
 #: Properties whose value is a view of the tensor's data; other properties are metadata.
 _VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+#: Ops that read a tensor's data into Python objects, not into tensors.
+_READS_INTO_PYTHON = frozenset(
+    {"equal", "allclose", "tolist", "item", "numpy", "__array__", "__repr__", "__format__"}
+    | {"__bool__", "__float__", "__int__", "__index__", "__complex__", "is_nonzero"}
+)
 
 
 def _guard_on_module_hooks() -> None:
@@ -490,7 +496,9 @@ def _reads_data(func: Any, result: Any) -> bool:
         return getattr(getattr(func, "__self__", None), "__name__", None) in _VIEW_PROPERTIES
     if name in ("__set__", "requires_grad_"):
         return False
-    return any(isinstance(value, Tensor) for value in tree_leaves(result))
+    return name in _READS_INTO_PYTHON or any(
+        isinstance(value, Tensor) for value in tree_leaves(result)
+    )
 
 
 def _remove_mode(mode: TorchFunctionMode) -> None:

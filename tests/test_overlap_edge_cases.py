@@ -716,6 +716,10 @@ class TiedLookup(nn.Module):
             x = _TableLookup.apply(tokens, self.head.weight)
         elif self.how == "reentrant":
             x = checkpoint(self.lookup, tokens, use_reentrant=True) + self.emb(tokens) * 0
+        elif self.how == "tolist":  # read into Python: no op returns a tensor of it
+            x = F.embedding(tokens, torch.tensor(self.head.weight.tolist()))
+        elif self.how == "equal":
+            x = self.emb(tokens) * (not torch.equal(self.head.weight, self.emb.weight))
         else:
             x = self.lookup(tokens)
         return self.head(torch.tanh(self.mid(x))).logsumexp(-1).mean()
@@ -743,10 +747,11 @@ def train_tied(how="plain", passes=lambda step: [True], before_step=lambda step,
     assert id(model.head.weight) in ours._overlapping().read_before_hook
 
 
-@pytest.mark.parametrize("how", ["plain", "no_grad", "function", "reentrant"])
+@pytest.mark.parametrize("how", ["plain", "no_grad", "function", "reentrant", "tolist", "equal"])
 def test_reads_before_the_hook_are_seen_whatever_the_grad_mode_inside_the_pass(how):
     """A training pass is watched whole: a read under no_grad, in a custom Function's forward
-    or in a reentrant checkpoint (both run with grad off) is found and waited for."""
+    or in a reentrant checkpoint (both run with grad off) is found and waited for, and so is
+    one into Python values (``.tolist()``, ``torch.equal``), by ops that return no tensor."""
     train_tied(how)
 
 
