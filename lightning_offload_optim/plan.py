@@ -770,6 +770,12 @@ def plan(
 
     spec = _load_model(model, PRECISIONS[precision] if precision else None)
     params = spec.params
+    scalars = sum(1 for p in params if not p.shape)
+    if strategy == "fsdp2" and scalars:
+        raise ValueError(
+            f"{spec.name} has {scalars} scalar parameter(s), which fully_shard refuses: make "
+            "each a 1-D tensor of one element to shard it with FSDP2"
+        )
     if precision is None and not isinstance(model, nn.Module):
         precision = DEFAULT_PRECISION
     unit_count, unit_bytes = _unit(spec, unit_params)

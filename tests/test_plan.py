@@ -597,6 +597,16 @@ def test_memory_stats_of_a_rank_that_is_not_an_int_is_refused(rank):
         plan(10, gpus=2, **MACHINE).memory_stats(rank)
 
 
+def test_fsdp2_refuses_a_scalar_parameter_as_fully_shard_does():
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.register_parameter("temperature", nn.Parameter(torch.tensor(1.0)))
+    with pytest.raises(
+        ValueError, match=r"Sequential has 1 scalar parameter\(s\), which fully_shard"
+    ):
+        plan(model, strategy="fsdp2", gpus=2, **MACHINE)
+    assert plan(model, strategy="ddp", gpus=2, **MACHINE).trainable == 21
+
+
 def test_a_non_model_is_refused():
     with pytest.raises(TypeError, match=r"give a count, a config or an nn\.Module"):
         plan(True, **MACHINE)
