@@ -878,8 +878,7 @@ class OffloadAdamW(torch.optim.AdamW):
             if slot is None or master is None or MASTER_KEY not in slot.arena.keys:
                 continue
             own = slot.layout.flat(master).data_ptr() == slot.view(MASTER_KEY).data_ptr()
-            part = local(m.param)
-            if own and not torch.equal(master.to(part.dtype), part.detach().cpu()):
+            if own and not _rounds_to(master, local(m.param)):
                 m.local = {k: v for k, v in m.local.items() if k != MASTER_KEY}
                 stale += 1
         if stale:
@@ -1056,6 +1055,13 @@ def _edited_since_last_step(
         if active[i].slot.param_mark != write_mark(active[i].param)
         and active[i].param not in new_slots
     }
+
+
+def _rounds_to(master: Tensor, param: Tensor) -> bool:
+    """Whether every element of ``master`` rounds to ``param``'s, a NaN to a NaN (an element
+    that diverged leaves the rest of the master copy valid)."""
+    rounded, param = master.to(param.dtype), param.detach().cpu()
+    return bool(((rounded == param) | (rounded.isnan() & param.isnan())).all())
 
 
 def _views(param: Tensor, slot: Slot) -> dict[str, Tensor]:

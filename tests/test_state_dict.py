@@ -109,7 +109,7 @@ def test_parameter_names_as_state_keys():
     assert_same(params, reference)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_low_precision_checkpoint_keeps_fp32(dtype):
     params = make_params(dtype=dtype)
     first = OffloadAdamW(params, lr=0.01)
@@ -723,3 +723,30 @@ def test_a_group_mixing_complex_and_real_parameters_does_not_claim_fused():
     plain = torch.optim.AdamW(clone_params(params))
     plain.load_state_dict(saved)
     step_together([plain], [plain.param_groups[0]["params"]], torch.Generator().manual_seed(13), 1)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_diverged_element_keeps_the_rest_of_the_master_copy_through_an_in_place_load(mode, dtype):
+    """One NaN element of a bf16/fp16 parameter (its master is NaN there too) does not make a
+    load of the optimizer's own ``state_dict()`` (a distributed checkpoint loaded in place)
+    take the whole master copy from the parameter: NaN rounds to NaN. Training goes on as torch's
+    fused AdamW on fp32 masters does, NaN where it is NaN."""
+    params = make_params(dtype=dtype)
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=0.05, **mode)
+    torch_ref = MasterCopyAdamW([{"params": reference}], lr=0.05)
+    generator = torch.Generator().manual_seed(8)
+    set_grads([params, reference], generator)
+    for p in (params[2], reference[2]):
+        p.grad[7] = float("nan")
+    for optimizer in (ours, torch_ref):
+        optimizer.step()
+    step_together([ours, torch_ref], [params, reference], generator, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no master copy is taken as stale
+        ours.load_state_dict(ours.state_dict())
+    step_together([ours, torch_ref], [params, reference], generator, 2)
+    assert params[2][7].isnan()
+    for p, r in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, r, rtol=0, atol=0, equal_nan=True)
