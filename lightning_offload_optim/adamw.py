@@ -527,8 +527,14 @@ class OffloadAdamW(torch.optim.AdamW):
         new: list[tuple[Tensor, tuple[str, ...]]] = []
         foreign: list[tuple[Tensor, int, int]] = []
         slots, states = self._host.slots, self.state
+        listed: dict[int, tuple[int, int]] = {}
         for g, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
+                if listed.setdefault(id(param), (g, position)) != (g, position):
+                    raise ValueError(
+                        f"{describe(g, position)} is {describe(*listed[id(param)])} again "
+                        "(param groups edited by hand?); list each parameter once"
+                    )
                 if param.grad is None:
                     continue
                 check_gradient(param, g, position)

@@ -468,6 +468,24 @@ def test_a_parameter_listed_twice_is_refused_at_construction():
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("where", ["same group", "other group"])
+def test_a_parameter_added_again_to_the_param_groups_by_hand_is_refused_at_step(where):
+    """Past add_param_group's check: torch steps it twice with one state; stepped unchecked,
+    its two pieces of state diverged (the staged path then differed from the in-place one)."""
+    (opt, params), (twin, twin_params) = trained(), trained()
+    opt.add_param_group({"params": [], "lr": 0.5})
+    group = opt.param_groups[0 if where == "same group" else 1]
+    group["params"].append(params[2])
+    set_grads([params], torch.Generator().manual_seed(1))
+    where = "0" if where == "same group" else "1"
+    with pytest.raises(
+        ValueError, match=rf"of param group {where} is parameter 2 of param group 0"
+    ):
+        opt.step()
+    group["params"].pop()
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
 # ----------------------------------------------------------------------------- loading
 @pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"])
 @pytest.mark.parametrize("value", [None, [0.0] * 5, 1.5], ids=["None", "list", "float"])
