@@ -47,6 +47,7 @@ from lightning_offload_optim.validation import (
     FORMAT_VERSION,
     Hyperparameters,
     LoadedEntry,
+    amp_scaling,
     check_entry,
     check_gradient,
     check_hyperparameters,
@@ -198,6 +199,19 @@ class OffloadAdamW(torch.optim.AdamW):
     pin_memory = _FixedSetting()
     force_staging = _FixedSetting()
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether ``GradScaler.step`` leaves the gradients' scale to :meth:`step` (setting
+        ``grad_scale`` and ``found_inf``, taken as torch's fused AdamW takes them) instead of
+        unscaling them first: only where there are fp16 gradients, which its ``unscale_``
+        refuses. Elsewhere it unscales them, so that Lightning can clip unscaled gradients (it
+        refuses to clip for an optimizer that unscales them itself)."""
+        return self.enabled and any(
+            p.grad is not None and p.grad.dtype == torch.float16
+            for group in self.param_groups
+            for p in group["params"]
+        )
+
     def __init__(
         self,
         params: ParamsT,
@@ -312,6 +326,9 @@ class OffloadAdamW(torch.optim.AdamW):
             _torch_adamw_step(self)
             return loss
         self._refuse_if_interrupted()
+        grad_scale, skip = amp_scaling(self)
+        if skip:  # GradScaler found inf/NaN gradients: nothing changes, as in torch's kernel
+            return loss
         hyper = [group_hyperparameters(g, i) for i, g in enumerate(self.param_groups)]
         if self.resident is not None or self._pipeline.resident_bytes:  # set, or set to None
             self._choose_resident()
@@ -327,6 +344,8 @@ class OffloadAdamW(torch.optim.AdamW):
         edited = _edited_since_last_step(active, with_master, new_slots)
         pin = self.pin_memory and not self._host.pin_failed
         device_steps = self._steps_on_devices(active, host_steps, pin, self._pipeline.stages)
+        devices = {a.param.device for a in active} if grad_scale is not None else ()
+        scales = {device: grad_scale.to(device) for device in devices}
 
         overlap = self._overlapping()
         if overlap is not None:  # the update reads these after step() returns
@@ -334,11 +353,13 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._pipeline.used_by_update(a.flat_grad)
             for step in {s.untyped_storage().data_ptr(): s for s in device_steps}.values():
                 self._pipeline.used_by_update(step)  # the stacked copies of the step counts
+            for scale in scales.values():  # GradScaler drops it when step() returns
+                self._pipeline.used_by_update(scale)
             # A tensor lr may be changed (a scheduler's fill_) before the update reads it.
             hyper = [_snapshot_lr(h, self._pipeline) for h in hyper]
 
         def update(chunk: Chunk, views: dict[str, Tensor]) -> None:
-            self._update_chunk(chunk, views, active, device_steps, hyper, edited)
+            self._update_chunk(chunk, views, active, device_steps, hyper, edited, scales)
 
         # Everything is checked and allocated: from here on the update runs (a Ctrl-C waits).
         with keyboard_interrupts_held():
@@ -665,10 +686,13 @@ class OffloadAdamW(torch.optim.AdamW):
         steps: list[Tensor],
         hyper: list[Hyperparameters],
         edited: set[int],
+        grad_scales: dict[torch.device, Tensor],
     ) -> None:
         """Apply AdamW to one chunk whose state is in ``views``, one kernel call per param group.
         The master copies of the ``edited`` parameters (indices into ``active``) first take
-        their edits."""
+        their edits. Gradients are unscaled by ``grad_scales[device]`` where given (GradScaler),
+        in place, as torch's fused kernel leaves them."""
+        grad_scale = grad_scales.get(chunk.arena.device)
         calls: dict[int, _KernelLists] = {}
         for seg in chunk.segments:
             a = active[seg.index]
@@ -706,9 +730,12 @@ class OffloadAdamW(torch.optim.AdamW):
                 amsgrad=h.amsgrad,
                 maximize=h.maximize,
                 decoupled_weight_decay=h.decoupled_weight_decay,
+                grad_scale=grad_scale,
             )
             if with_master:
                 torch._foreach_copy_(lists.params, targets)
+                if grad_scale is not None:  # the unscaled gradients, rounded
+                    torch._foreach_copy_(lists.grads, grads)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

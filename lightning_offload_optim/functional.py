@@ -34,12 +34,15 @@ def adamw_update(
     amsgrad: bool,
     maximize: bool,
     decoupled_weight_decay: bool = True,
+    grad_scale: Tensor | None = None,
 ) -> None:
     """Apply one AdamW step in place to real tensors that share one device and dtype.
 
     ``steps`` hold each tensor's step count after this step's increment (one float32 scalar
     tensor per tensor, on the same device). ``max_exp_avg_sqs`` is ignored unless ``amsgrad``.
     ``decoupled_weight_decay=False`` adds the decay to the gradient instead (L2, torch's Adam).
+    ``grad_scale`` (a float32 scalar tensor on the same device): the gradients are divided by it
+    first, in place, as ``GradScaler`` asks of torch's fused AdamW.
 
     Example:
         >>> p, g = torch.ones(4), torch.full((4,), 0.5)
@@ -69,6 +72,7 @@ def adamw_update(
         weight_decay=weight_decay,
         eps=eps,
         maximize=maximize,
+        grad_scale=grad_scale,
     )
 
 

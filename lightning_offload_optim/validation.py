@@ -220,6 +220,25 @@ def checked_step(value: Any, what: str) -> Tensor:
     return torch.as_tensor(value).detach().to("cpu", torch.float32, copy=True).reshape(())
 
 
+def amp_scaling(optimizer: Any) -> tuple[Tensor | None, bool]:
+    """The gradients' scale that ``GradScaler.step`` set on ``optimizer`` (``grad_scale``; None
+    when it was unscaled already or no scaler is at work), and whether the scaler found inf or
+    NaN gradients (``found_inf``), so that the step is skipped. Reading ``found_inf`` waits for
+    the device, as ``GradScaler`` does itself before skipping a step for other optimizers."""
+    grad_scale = getattr(optimizer, "grad_scale", None)
+    found_inf = getattr(optimizer, "found_inf", None)
+    for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if value is not None and not (
+            isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point()
+        ):
+            raise TypeError(
+                f"optimizer.{name} is {_kind(value)}; GradScaler sets a 1-element float tensor"
+            )
+    if grad_scale is not None:
+        grad_scale = grad_scale.detach().to(torch.float32).reshape(())
+    return grad_scale, found_inf is not None and bool(found_inf)
+
+
 def is_own_step(value: Any) -> bool:
     """Whether a step count in ``optimizer.state`` is of the optimizer's own kind (else it was
     replaced by hand, and :func:`checked_step` makes it one)."""

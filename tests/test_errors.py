@@ -468,6 +468,18 @@ def test_a_parameter_listed_twice_is_refused_at_construction():
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("name", ["grad_scale", "found_inf"])
+def test_a_gradient_scale_that_grad_scaler_would_not_set_is_refused(name):
+    """GradScaler sets 1-element float tensors; anything else, set by hand, is refused before
+    anything changes."""
+    (opt, params), (twin, twin_params) = trained(), trained()
+    setattr(opt, name, torch.ones(2))
+    with pytest.raises(TypeError, match=rf"optimizer.{name} is a torch.float32 tensor of shape"):
+        opt.step()
+    delattr(opt, name)
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
 @pytest.mark.parametrize("where", ["same group", "other group"])
 def test_a_parameter_added_again_to_the_param_groups_by_hand_is_refused_at_step(where):
     """Past add_param_group's check: torch steps it twice with one state; stepped unchecked,

@@ -237,6 +237,31 @@ def test_updates_run_in_the_order_the_forward_uses_parameters(monkeypatch):
     assert seen == [id(p) for p in first_use]
 
 
+def test_fp16_parameters_under_grad_scaler(stream_order):
+    """The updates unscale fp16 gradients by GradScaler's scale (see test_parity), which the
+    scaler drops when step() returns, before the queued updates read it: its memory is kept for
+    them. Against torch fused AdamW on fp32 masters given the same scale."""
+    model, optimizer = overlapped(torch.float16)
+    reference = Net().to(torch.float16)
+    masters = MasterCopyAdamW(list(reference.parameters()), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        tokens = torch.randint(0, 10, (4, 5), generator=generator)
+        scaler.scale(model(tokens).logsumexp(-1).mean()).backward()
+        scale = torch.tensor(scaler.get_scale())
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        (reference(tokens).logsumexp(-1).mean() * scale).backward()
+        masters.fp32.grad_scale = scale
+        masters.step()
+        masters.zero_grad()
+    stream_order.expect_none()
+    optimizer.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
 def test_each_wait_is_needed(stream_order, monkeypatch):
     """Without the forward hooks' waits, the forward reads parameters the update still writes."""
     monkeypatch.setattr(ForwardOverlap, "_wait", lambda self, params: None)

@@ -430,6 +430,53 @@ def test_grad_scaler_steps_without_closure_and_skips_non_finite_steps():
     )
 
 
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_grad_scaler_unscales_fp16_gradients_in_the_kernel_as_for_torch_fused(mode):
+    """fp16 parameters (an fp32 master copy each) under GradScaler, as in plain PyTorch fp16
+    training: its unscale_ refuses fp16 gradients, so, as for torch's fused AdamW, it leaves the
+    scale (not a power of two here) to the kernel, which divides the gradients in place and
+    skips a step with inf gradients. The reference: torch's fused AdamW on fp32 masters given
+    the same scale; the gradients are left unscaled by both."""
+    params = make_params(dtype=torch.float16)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=0.01, **mode)
+    masters = MasterCopyAdamW([{"params": reference}], lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=1000)
+    scaler.scale(torch.ones(()))  # initialises the scale, as scaling a loss would
+    generator = torch.Generator().manual_seed(9)
+    for step in range(4):
+        set_grads([params, reference], generator)
+        if step == 2:
+            for p in (params[1], reference[1]):
+                p.grad[0] = float("inf")
+        assert offload._step_supports_amp_scaling
+        masters.fp32.grad_scale = torch.tensor(scaler.get_scale())
+        scaler.step(offload)
+        if step != 2:  # skipped for inf, as GradScaler with torch's fused AdamW skips it
+            masters.step()
+        scaler.update()
+    assert scaler.get_scale() == 500.0
+    assert_same(params, reference)
+    assert_same([p.grad for p in params], [masters.masters[r].grad.half() for r in reference])
+    assert [float(offload.state[p]["step"]) for p in params] == [3.0] * len(params)
+
+
+def test_grad_scaler_unscales_fp32_and_bf16_gradients_itself():
+    """Where GradScaler.unscale_ takes the gradients (no fp16 among them) it unscales them, so
+    that Lightning can clip them (it refuses to clip for an optimizer that unscales itself)."""
+    params = [*make_params(dtype=torch.float32), *make_params(dtype=torch.bfloat16)]
+    offload = OffloadAdamW(params)
+    assert not offload._step_supports_amp_scaling
+    set_grads([params], torch.Generator().manual_seed(10))
+    assert not offload._step_supports_amp_scaling
+    params.append(torch.nn.Parameter(torch.ones(3, dtype=torch.float16)))
+    offload.add_param_group({"params": params[-1:]})
+    assert not offload._step_supports_amp_scaling  # no gradient yet
+    params[-1].grad = torch.ones(3, dtype=torch.float16)
+    assert offload._step_supports_amp_scaling
+    assert not OffloadAdamW(params, enabled=False)._step_supports_amp_scaling
+
+
 def trained_bf16_pair(mode: dict, seed: int, steps: int) -> tuple:
     """bf16 parameters stepped ``steps`` times by OffloadAdamW (``mode``) and by the exact
     reference (MasterCopyAdamW over copies) alike: params, reference, both optimizers and the
