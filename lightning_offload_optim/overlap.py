@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
@@ -282,9 +283,10 @@ class ForwardOverlap:
 
     def _hook_gradients(self, params: Iterable[Tensor]) -> None:
         """Hook :meth:`_before_gradient` on those of ``params`` that can get a gradient and
-        have no hook yet (a parameter frozen now is hooked once it is stepped again)."""
+        have no hook yet (a parameter frozen now, or a lazy module's not yet materialized by a
+        forward pass, is hooked once it is stepped)."""
         for param in params:
-            if not param.requires_grad:
+            if not param.requires_grad or is_lazy(param):
                 continue
             if self._has_gradient_hook(param):
                 # torch.utils.swap_tensors leaves the hooks dict on the parameter, but autograd

@@ -262,6 +262,32 @@ def test_fp16_parameters_under_grad_scaler(stream_order):
     assert_same(list(model.parameters()), list(reference.parameters()))
 
 
+def test_a_lazy_module_materialized_after_overlap_with(stream_order):
+    """overlap_with before the first forward pass (the mixin calls it in configure_optimizers)
+    on a lazy module: its parameters get their gradient hooks once materialized and stepped
+    (torch refused hooks on them before), and train as with torch's fused AdamW."""
+
+    def lazy_net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.Linear(16, 10))
+
+    model, twin = lazy_net(), lazy_net()
+    optimizer = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    optimizer.overlap_with(model)
+    reference = torch.optim.AdamW(twin.parameters(), lr=0.05, fused=True)
+    for net, opt in ((model, optimizer), (twin, reference)):
+        torch.manual_seed(3)  # the lazy weights are initialised at the first forward pass
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            net(torch.randn(4, 5, generator=generator)).logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert optimizer._overlap._has_gradient_hook(model[0].weight)
+    stream_order.expect_none()
+    optimizer.wait_for_updates()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
 def test_each_wait_is_needed(stream_order, monkeypatch):
     """Without the forward hooks' waits, the forward reads parameters the update still writes."""
     monkeypatch.setattr(ForwardOverlap, "_wait", lambda self, params: None)
