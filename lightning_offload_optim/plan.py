@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from lightning_offload_optim.adamw import DEFAULT_CHUNK_SIZE
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
@@ -425,6 +426,13 @@ def _from_module(module: nn.Module, dtype: torch.dtype | None) -> _Model:
     The FSDP2 unit is the largest element of any ``nn.ModuleList`` (the blocks one applies
     ``fully_shard`` to); a module without one is a single unit."""
     declared = list(module.parameters())
+    lazy = [name for name, p in module.named_parameters() if is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"plan: {type(module).__name__} has parameters of lazy modules whose shapes are not "
+            f"known yet ({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}); run a "
+            "forward pass with a sample batch first (on the meta device it allocates nothing)"
+        )
     optimized = _optimized(module)
     trained = {id(p) for p in (declared if optimized is None else optimized)}
     order = declared

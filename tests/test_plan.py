@@ -661,3 +661,15 @@ def test_cli_plans_resident_state_and_copy_times(capsys):
     with pytest.raises(SystemExit):
         main([*common, "--resident", "half"])
     assert "not a resident share or size: 'half'" in capsys.readouterr().err
+
+
+def test_a_lazy_module_is_planned_once_a_forward_pass_has_given_its_shapes():
+    """Unmaterialized lazy parameters have no shape: a clear error naming them and the way out
+    (torch's own error spoke of load_state_dict); after a forward pass on the meta device the
+    plan counts them."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"lazy modules .*\(0\.weight, 0\.bias\); run a forward"):
+        plan(model)
+    model(torch.empty(2, 3, device="meta"))
+    assert plan(model).state_bytes == 8 * (3 * 4 + 4 + 4 * 4 + 4)
