@@ -580,6 +580,40 @@ def test_bf16_overlap_and_resident_match_the_plain_step_on_cuda():
         assert_same([ours[i][key] for i in sorted(ours)], [theirs[i][key] for i in sorted(ours)])
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fp16_model_under_grad_scaler_matches_fp32_masters_on_cuda(overlap):
+    """GradScaler leaves fp16 gradients' scale (not a power of two here) to step(), which
+    divides them in the kernel as torch's fused AdamW does and skips the step whose gradients
+    are inf; overlapped, the scale (freed when step() returns, then its memory filled with NaN
+    if handed out again) is kept for the queued updates. Against fused AdamW on fp32 masters
+    given the same scale."""
+    model, optimizer = overlapped_stack(overlap, None, torch.float16)
+    reference = Stack().to(CUDA, torch.float16)
+    masters = MasterCopyAdamW(list(reference.parameters()), lr=1e-3, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1000.0, growth_interval=1000)
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    poison = []
+    for step in range(4):
+        x = torch.randn(256, 1024, device=CUDA, generator=generator).half()
+        if step == 2:
+            x[0, 0] = float("inf")
+        scale = torch.full((), scaler.get_scale(), device=CUDA)
+        scaler.scale(model(x)).backward()
+        scaler.step(optimizer)
+        poison.append([torch.full((), float("nan"), device=CUDA) for _ in range(8)])
+        scaler.update()
+        optimizer.zero_grad()
+        if step != 2:
+            (reference(x) * scale).backward()
+            masters.fp32.grad_scale = scale
+            masters.step()
+            masters.zero_grad()
+    assert scaler.get_scale() == 500.0
+    optimizer.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+    assert [float(s["step"]) for s in optimizer.state.values()] == [3.0] * len(optimizer.state)
+
+
 def test_bf16_weights_clamped_between_overlapped_steps_keep_the_clamp_on_cuda():
     """bf16 weights clamped after ``wait_for_updates()`` between overlapped, half-resident
     steps: the masters take the clamp on the device, in order, as fp32 AdamW on masters
