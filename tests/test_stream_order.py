@@ -1,6 +1,7 @@
 """The CPU stream-ordering checker sees every ordering step of the staging pipeline.
 
-Each wait, each event that orders data (not the timing ones) and each host synchronisation in
+Each wait, each event that orders data (not the timing ones), each host synchronisation and
+each note of an arena's last use (after which its pinned buffers may be freed) in
 ``pipeline.py`` is removed in turn; the checker must report a conflicting access for every such
 mutant, and none for the pipeline as written.
 """
@@ -36,14 +37,25 @@ def _is_call(node: ast.AST, owner: str | None, method: str) -> bool:
     )
 
 
+#: Calls that wait, and those that note an arena's last use (the events its pinned buffers are
+#: freed after): (owner name or None for any, method).
+_WAITS_AND_LAST_USES = [
+    ("streams", "wait"),
+    (None, "synchronize"),
+    (None, "read_by"),
+    (None, "written_by"),
+]
+
+
 def _ordering_targets(tree: ast.AST) -> list[ast.AST]:
-    """Statements that wait (``streams.wait``, ``event.synchronize()``), data-ordering
+    """Statements that wait (``streams.wait``, ``event.synchronize()``) or note an arena's last
+    use (``read_by``, ``written_by``), data-ordering
     ``streams.record`` calls (those without ``timing=True``) and the ends of timed copies taken
     as data-ordering events (``copied.event``)."""
     targets: list[ast.AST] = []
     for node in ast.walk(tree):
-        waits = isinstance(node, ast.Expr) and (
-            _is_call(node.value, "streams", "wait") or _is_call(node.value, None, "synchronize")
+        waits = isinstance(node, ast.Expr) and any(
+            _is_call(node.value, owner, method) for owner, method in _WAITS_AND_LAST_USES
         )
         orders = _is_call(node, "streams", "record") and not any(
             k.arg == "timing" for k in node.keywords
@@ -155,6 +167,7 @@ def overlap_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     step()
     opt.zero_grad(set_to_none=False)
     model(x)  # queues the next step's first copies, which a load must wait for
+    problems = _unsettled_arenas(opt)  # they read the host buffers last
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     with monkeypatch.context() as patch:
         _inside_second_update(patch)
@@ -162,7 +175,7 @@ def overlap_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             step()
     for param in model.parameters():
         param.clone()
-    return _unsettled_arenas(opt)
+    return problems + _unsettled_arenas(opt)
 
 
 def resident_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -174,7 +187,10 @@ def resident_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     params = make_params([(64,), (64,), (64,), (64,)])
     opt = OffloadAdamW(params, force_staging=True, chunk_size=64, resident=1.0)
     generator = torch.Generator().manual_seed(2)
-    step_together([opt], [params], generator, 3)
+    problems = []
+    for _ in range(3):  # right after the upload (the second step), its read is the last use
+        step_together([opt], [params], generator, 1)
+        problems += _unsettled_arenas(opt)
     for param in params:
         opt.offloaded_state(param)
     saved = copy.deepcopy(opt.state_dict())
@@ -200,7 +216,7 @@ def resident_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     for param in model.parameters():
         overlapped.offloaded_state(param)
     model(torch.ones(2, 8)).sum().backward()
-    return _unsettled_arenas(opt) + _unsettled_arenas(overlapped)
+    return problems + _unsettled_arenas(opt) + _unsettled_arenas(overlapped)
 
 
 def _after_first(kind: str) -> Callable[[pytest.MonkeyPatch], None]:
@@ -247,14 +263,16 @@ def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_harness_finds_every_ordering_step():
-    """Eleven waits, thirteen data-ordering events (four of them the ends of timed copies)
-    and two host waits today: a new one counts too."""
-    kinds = [label.split(": ", 1)[1].split("(")[0] for label, _ in MUTANTS]
+    """Eleven waits, thirteen data-ordering events (four of them the ends of timed copies),
+    two host waits and five notes of an arena's last use today: a new one counts too."""
+    kinds = [label.split(": ", 1)[1].split("(")[0].split(".")[-1] for label, _ in MUTANTS]
     assert sorted(kinds) == (
-        ["copied.event"] * 4
-        + ["event.synchronize", "read.synchronize"]
-        + ["streams.record"] * 9
-        + ["streams.wait"] * 11
+        ["event"] * 4
+        + ["read_by"] * 2
+        + ["record"] * 9
+        + ["synchronize"] * 2
+        + ["wait"] * 11
+        + ["written_by"] * 3
     )
 
 
