@@ -121,16 +121,21 @@ def test_weights_loaded_into_the_module_right_after_a_step_wait_for_its_updates(
     assert_same(list(model.parameters()), list(reference.parameters()))
 
 
-@pytest.mark.parametrize("saved", ["model", "submodule"])
+@pytest.mark.parametrize("saved", ["model", "submodule", "wrapped"])
 def test_weights_saved_right_after_a_step_are_read_after_its_updates(stream_order, saved):
-    """``state_dict()`` of the module, or of a submodule alone (a backbone or an adapter saved
-    apart), between a step and the next forward: the saved weights are read after the queued
-    updates wrote them, and are the updated weights."""
+    """``state_dict()`` of the module, of a submodule alone (a backbone or an adapter saved
+    apart), or of a module holding it (a wrapper, such as DDP's, saving it under a prefix)
+    between a step and the next forward: the saved weights are read after the queued updates
+    wrote them, and are the updated weights."""
     model, optimizer = overlapped()
     reference = Net()
     train(model, optimizer, 2)
     train(reference, torch.optim.AdamW(reference.parameters(), lr=0.05, fused=True), 2)
-    part, twin = (model, reference) if saved == "model" else (model.norm, reference.norm)
+    part, twin = {
+        "model": (model, reference),
+        "submodule": (model.norm, reference.norm),
+        "wrapped": (nn.ModuleDict({"module": model}), nn.ModuleDict({"module": reference})),
+    }[saved]
     weights = [w.clone() for w in part.state_dict().values()]
     stream_order.expect_none()
     assert_same(weights, list(twin.state_dict().values()))
