@@ -280,6 +280,55 @@ def test_a_callback_reading_the_weights_at_validation_epoch_or_training_end(
     assert_same(norms[0], norms[1])
 
 
+class StepsAtEpochEnd(Validated):
+    """Manual optimization stepping every 3 batches, and the leftover batches in
+    ``on_train_epoch_end``: the module's hook runs after the callbacks' (the mixin's epoch-end
+    wait among them), so the update it queues is the last before ``on_train_end``."""
+
+    def build(self) -> None:
+        super().build()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.train_losses.append(loss.detach().clone())
+        self.manual_backward(loss)
+        if (batch_idx + 1) % 3 == 0:
+            self.step_leftover()
+
+    def on_train_epoch_end(self) -> None:
+        self.step_leftover()
+        super().on_train_epoch_end()
+
+    def step_leftover(self) -> None:
+        optimizer = self.optimizers()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_a_callback_reading_the_weights_at_training_end_after_a_step_at_epoch_end(
+    tmp_path, stream_order
+):
+    """The mixin's ordering callback waits in ``on_train_end`` too, before the other callbacks
+    read the weights: its epoch-end wait came before the module's own epoch-end step."""
+    norms = []
+    for optimizer in ("offload", "torch"):
+        reader = ReadsWeights("on_train_end")
+        trainer(
+            tmp_path / optimizer,
+            max_epochs=1,
+            max_steps=-1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[reader],
+        ).fit(StepsAtEpochEnd(optimizer=optimizer))
+        norms.append(reader.norms)
+    stream_order.expect_none()
+    assert len(norms[0]) == 1
+    assert_same(norms[0], norms[1])
+
+
 def test_model_pruning_at_epoch_ends_without_validation(tmp_path, stream_order):
     """Lightning's ``ModelPruning`` reads and rewrites a weight in ``on_train_epoch_end`` (no
     validation ordered it before) and makes the pruning permanent in ``on_train_end``."""
