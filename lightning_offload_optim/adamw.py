@@ -344,7 +344,8 @@ class OffloadAdamW(torch.optim.AdamW):
         edited = _edited_since_last_step(active, with_master, new_slots)
         pin = self.pin_memory and not self._host.pin_failed
         device_steps = self._steps_on_devices(active, host_steps, pin, self._pipeline.stages)
-        devices = {a.param.device for a in active} if grad_scale is not None else ()
+        # Keyed as _update_chunk looks it up: one copy per device with chunks, none per parameter.
+        devices = {chunk.arena.device for chunk in chunks} if grad_scale is not None else ()
         scales = {device: grad_scale.to(device) for device in devices}
 
         overlap = self._overlapping()
