@@ -248,9 +248,10 @@ class OffloadOptimizerMixin:
                 if name in hparams
             ]
             if named:
-                error.add_note(
+                _add_note(
+                    error,
                     "OffloadOptimizerMixin took OffloadAdamW's arguments from the hparams "
-                    + ", ".join(named)
+                    + ", ".join(named),
                 )
             raise
         if optimizer.enabled:
@@ -469,6 +470,15 @@ def _init_parameters(cls: type) -> frozenset[str]:
         return frozenset(inspect.signature(cls.__init__).parameters)
     except (TypeError, ValueError):  # no signature to read (a C or wrapped __init__)
         return frozenset()
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``; Python 3.10 has no notes (PEP 678), so there the note ends a
+    one-string message."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    elif len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}\n{note}",)
 
 
 def _refuse_deepspeed(trainer: pl.Trainer | None) -> None:
