@@ -446,20 +446,26 @@ def _never_a_compiled_frame(function: Callable[..., Any]) -> bool:
     its own, once per op, with the ops' integer arguments soon made symbolic, which fails
     (``NYI SymInt equality``); with it never traced, each op a graph break, dynamo gives up on
     whole frames for good (a graph break at a Python operator cannot be resumed from). Dynamo's
-    private API; False where a torch lacks it."""
+    private API; False where a torch lacks it (before 2.7) or traces the watch all the same
+    (before 2.12: no graph ran with the overlap on 2.9 to 2.11, and on 2.10 and 2.11 a tied
+    weight's read failed torch's own guard check, "Guard failed on the same frame it was
+    created"; measured on the CPU)."""
+    if torch.__version__ < (2, 12):
+        return False
     try:
         from torch._C._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
 
         strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
         set_code_exec_strategy(function.__code__, strategy)
-    except (ImportError, TypeError, AttributeError):  # torch < 2.7 has none of these
+    except (ImportError, TypeError, AttributeError):  # a torch without them
         return False
     return True
 
 
 if not _never_a_compiled_frame(_ReadWatch.__torch_function__):
-    # Never traced then: frames may run eagerly, but compiling does not fail.
+    # Never traced then: compiling does not fail, but more runs eagerly (the watched pass, and
+    # on torch < 2.12 the torch.nn layers' own forward code, skipped after the hooks' breaks).
     _ReadWatch.__torch_function__ = torch.compiler.disable(_ReadWatch.__torch_function__)  # type: ignore[method-assign]
 
 #: Properties whose value is a view of the tensor's data; other properties are metadata.

@@ -26,7 +26,13 @@ TWO_RANK_SCENARIOS = [
     "fsdp_overlapped_grouped",
     "fsdp_overlapped_streams_unknown",
     "tensor_parallel_placements",
-    "strided_shard_loads",
+    pytest.param(
+        "strided_shard_loads",
+        marks=pytest.mark.skipif(
+            torch.__version__ < (2, 12),
+            reason="torch < 2.12 cannot gather a lone _StridedShard (the test's reference)",
+        ),
+    ),
     "refusals",
     "zero_redundancy",
     "sharded_state_dict",
