@@ -1,0 +1,209 @@
+"""Input checks that a mutation run of validation.py found untested (each test fails on a
+mutant that survived the suite): bad input is refused with an error naming the problem and
+changes nothing; the good input next to it is taken, exactly as torch's fused AdamW takes it."""
+
+from __future__ import annotations
+
+import copy
+from fractions import Fraction
+
+import pytest
+import torch
+from conftest import assert_same, clone_params, make_params, set_grads, step_together
+from test_errors import (
+    assert_steps_like_twin,
+    assert_unchanged,
+    snapshot,
+    three_groups,
+    trained,
+    twins,
+)
+
+from lightning_offload_optim import OffloadAdamW
+
+STAGED = {"force_staging": True, "chunk_size": 64}
+
+
+# ----------------------------------------------------------------------------- hyperparameters
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        # An int tensor is refused as an int tensor lr is (never read as 1.0).
+        ("eps", torch.tensor(1), r"param group 2 has eps=a torch.int64 tensor of shape \(\)"),
+        ("betas", (torch.tensor(0), 0.9), r"param group 2 has betas\[0\]=a torch.int64 tensor"),
+        # Not float()'s bare "a Tensor with 2 elements cannot be converted to Scalar".
+        (
+            "eps",
+            torch.tensor([1e-8, 1e-8]),
+            r"param group 2 has eps=a torch.float32 tensor of shape \(2,\) on cpu; it must be",
+        ),
+        (
+            "weight_decay",
+            torch.tensor([0.1, 0.1]),
+            r"param group 2 has weight_decay=a torch.float32 tensor of shape \(2,\)",
+        ),
+    ],
+    ids=["int-tensor-eps", "int-tensor-beta", "two-element-eps", "two-element-weight-decay"],
+)
+@pytest.mark.parametrize("mode", [{}, STAGED], ids=["direct", "staged"])
+def test_tensor_hyperparameter_that_is_no_float_scalar_changes_nothing(key, value, message, mode):
+    params = make_params()
+    opt = OffloadAdamW(three_groups(params), **mode)
+    step_together([opt], [params], torch.Generator().manual_seed(0), 2)
+    set_grads([params], torch.Generator().manual_seed(1))
+    good = opt.param_groups[2][key]
+    opt.param_groups[2][key] = value
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert_unchanged(opt, params, before)
+    opt.param_groups[2][key] = good
+    reference = clone_params(params)
+    torch_opt = torch.optim.AdamW(three_groups(reference), fused=True)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    step_together([opt, torch_opt], [params, reference], torch.Generator().manual_seed(2), 2)
+    assert_same(params, reference)
+
+
+@pytest.mark.parametrize("mode", [{}, STAGED], ids=["direct", "staged"])
+def test_fraction_betas_are_taken_as_the_floats_they_are(mode):
+    """``numbers.Real`` betas pass the check; they must reach the kernel as floats (a Fraction
+    handed on as it is fails inside the update, after the step counts advanced)."""
+    params = make_params()
+    opt = OffloadAdamW(three_groups(params), **mode)
+    reference = clone_params(params)
+    torch_opt = torch.optim.AdamW(three_groups(reference), fused=True)
+    opt.param_groups[2]["betas"] = (Fraction(1, 2), Fraction(3, 4))
+    torch_opt.param_groups[2]["betas"] = (0.5, 0.75)
+    step_together([opt, torch_opt], [params, reference], torch.Generator().manual_seed(2), 3)
+    assert_same(params, reference)
+    ours, theirs = opt.state_dict()["state"], torch_opt.state_dict()["state"]
+    for index, entry in theirs.items():
+        assert_same(list(ours[index].values()), list(entry.values()))
+
+
+# ----------------------------------------------------------------------------- step counts
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        (True, r"is True \(bool\)"),
+        (torch.tensor(True), r"is a torch.bool tensor of shape \(\) on cpu holding True"),
+        (torch.tensor(3 + 0j), r"is a torch.complex64 tensor of shape \(\)"),
+    ],
+    ids=["bool", "bool-tensor", "complex-tensor"],
+)
+def test_step_entry_that_is_no_count_is_refused_before_anything_changes(step, message):
+    (opt, params), (twin, twin_params) = twins()
+    before = snapshot(opt, params)
+    broken = copy.deepcopy(opt.state_dict())
+    broken["state"][2]["step"] = step
+    with pytest.raises(ValueError, match=rf"loaded 'step' for parameter 2 .*{message}"):
+        opt.load_state_dict(broken)
+    assert_unchanged(opt, params, before)
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
+def test_entry_without_a_step_count_is_refused_naming_the_key():
+    (opt, params), (twin, twin_params) = twins()
+    before = snapshot(opt, params)
+    broken = copy.deepcopy(opt.state_dict())
+    del broken["state"][2]["step"]
+    with pytest.raises(
+        KeyError, match=r"parameter 2 of param group 0 \(key 2\) is missing \['step'\]"
+    ):
+        opt.load_state_dict(broken)
+    assert_unchanged(opt, params, before)
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
+# ----------------------------------------------------------------------------- GradScaler
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", [{}, STAGED], ids=["direct", "staged"])
+def test_grad_scale_of_another_float_dtype_unscales_like_torch(dtype, mode):
+    """A 1-element float tensor of any float dtype is taken (read as float32, as GradScaler's
+    own scale is), never handed to the kernel as it is to fail partway through the update."""
+    opt, params = trained(**mode)
+    before = snapshot(opt, params)
+    saved_params, saved_state = before
+    reference = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    torch_opt.load_state_dict(copy.deepcopy(saved_state))
+    for p, r in zip(params, reference, strict=True):
+        r.grad = p.grad.clone()
+    opt.grad_scale = torch.tensor(4.0, dtype=dtype)
+    opt.found_inf = torch.tensor(0.0)
+    torch_opt.grad_scale = torch.tensor(4.0)
+    torch_opt.found_inf = torch.tensor(0.0)
+    opt.step()
+    torch_opt.step()
+    assert_same(params, reference)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (torch.tensor(4), r"optimizer.grad_scale is a torch.int64 tensor of shape \(\) on cpu"),
+        (4.0, r"optimizer.grad_scale is 4.0 \(float\); GradScaler sets a 1-element float"),
+    ],
+    ids=["int-tensor", "python-float"],
+)
+def test_a_gradient_scale_of_another_kind_is_refused(value, message):
+    (opt, params), (twin, twin_params) = trained(), trained()
+    before = snapshot(opt, params)
+    opt.grad_scale = value
+    with pytest.raises(TypeError, match=message):
+        opt.step()
+    del opt.grad_scale
+    assert_unchanged(opt, params, before)
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
+# ----------------------------------------------------------------------------- optimizer.state
+def test_step_count_on_the_meta_device_in_optimizer_state_is_refused_before_any_count_advances():
+    (opt, params), (twin, twin_params) = twins()
+    before = snapshot(opt, params)
+    kept = opt.state[params[1]]["step"]
+    opt.state[params[1]]["step"] = torch.tensor(2.0, device="meta")
+    with pytest.raises(
+        ValueError,
+        match=r"'step' in optimizer.state for parameter 1 of param group 0 is .* on meta",
+    ):
+        opt.step()
+    opt.state[params[1]]["step"] = kept
+    assert_unchanged(opt, params, before)
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
+# ----------------------------------------------------------------------------- loading
+def test_real_moment_for_a_complex_parameter_is_refused_whole():
+    """Not copied into the complex buffer as real parts with the imaginary parts zeroed."""
+
+    def complex_trained():
+        params = make_params([(3,), (2, 2)], dtype=torch.complex64, seed=2)
+        opt = OffloadAdamW(params)
+        step_together([opt], [params], torch.Generator().manual_seed(0), 2)
+        set_grads([params], torch.Generator().manual_seed(1))
+        return opt, params
+
+    (opt, params), (twin, twin_params) = complex_trained(), complex_trained()
+    before = snapshot(opt, params)
+    broken = copy.deepcopy(opt.state_dict())
+    broken["state"][1]["exp_avg"] = broken["state"][1]["exp_avg"].real.contiguous()
+    with pytest.raises(
+        ValueError,
+        match=r"'exp_avg' for parameter 1 .* is torch.float32, the parameter torch.complex64",
+    ):
+        opt.load_state_dict(broken)
+    assert_unchanged(opt, params, before)
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
+def test_a_load_pre_hook_returning_no_state_dict_is_refused_whole():
+    (opt, params), (twin, twin_params) = twins()
+    before = snapshot(opt, params)
+    handle = opt.register_load_state_dict_pre_hook(lambda optimizer, sd: list(sd.items()))
+    with pytest.raises(ValueError, match="an optimizer state dict needs the keys 'state' and"):
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    handle.remove()
+    assert_unchanged(opt, params, before)
+    assert_steps_like_twin(opt, params, twin, twin_params)
