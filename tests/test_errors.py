@@ -348,6 +348,12 @@ def three_groups(params):
         ("lr", torch.tensor(1), r"param group 2 has lr=.*1-element float"),
         ("eps", float("inf"), r"param group 2 has eps=inf"),
         ("weight_decay", float("inf"), r"param group 2 has weight_decay=inf"),
+        # An int tensor is refused as an int tensor lr is (never read as 1.0).
+        ("eps", torch.tensor(1), r"param group 2 has eps=a torch.int64 tensor of shape \(\)"),
+        ("betas", (torch.tensor(0), 0.9), r"param group 2 has betas\[0\]=a torch.int64 tensor"),
+        # Not float()'s bare "a Tensor with 2 elements cannot be converted to Scalar".
+        ("eps", torch.tensor([1e-8, 1e-8]), r"param group 2 has eps=a torch.float32 tensor of"),
+        ("weight_decay", torch.tensor([0.1, 0.1]), r"weight_decay=a torch.float32 tensor of shape"),
     ],
 )
 @pytest.mark.parametrize(

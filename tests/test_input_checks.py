@@ -25,46 +25,6 @@ STAGED = {"force_staging": True, "chunk_size": 64}
 
 
 # ----------------------------------------------------------------------------- hyperparameters
-@pytest.mark.parametrize(
-    ("key", "value", "message"),
-    [
-        # An int tensor is refused as an int tensor lr is (never read as 1.0).
-        ("eps", torch.tensor(1), r"param group 2 has eps=a torch.int64 tensor of shape \(\)"),
-        ("betas", (torch.tensor(0), 0.9), r"param group 2 has betas\[0\]=a torch.int64 tensor"),
-        # Not float()'s bare "a Tensor with 2 elements cannot be converted to Scalar".
-        (
-            "eps",
-            torch.tensor([1e-8, 1e-8]),
-            r"param group 2 has eps=a torch.float32 tensor of shape \(2,\) on cpu; it must be",
-        ),
-        (
-            "weight_decay",
-            torch.tensor([0.1, 0.1]),
-            r"param group 2 has weight_decay=a torch.float32 tensor of shape \(2,\)",
-        ),
-    ],
-    ids=["int-tensor-eps", "int-tensor-beta", "two-element-eps", "two-element-weight-decay"],
-)
-@pytest.mark.parametrize("mode", [{}, STAGED], ids=["direct", "staged"])
-def test_tensor_hyperparameter_that_is_no_float_scalar_changes_nothing(key, value, message, mode):
-    params = make_params()
-    opt = OffloadAdamW(three_groups(params), **mode)
-    step_together([opt], [params], torch.Generator().manual_seed(0), 2)
-    set_grads([params], torch.Generator().manual_seed(1))
-    good = opt.param_groups[2][key]
-    opt.param_groups[2][key] = value
-    before = snapshot(opt, params)
-    with pytest.raises(ValueError, match=message):
-        opt.step()
-    assert_unchanged(opt, params, before)
-    opt.param_groups[2][key] = good
-    reference = clone_params(params)
-    torch_opt = torch.optim.AdamW(three_groups(reference), fused=True)
-    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    step_together([opt, torch_opt], [params, reference], torch.Generator().manual_seed(2), 2)
-    assert_same(params, reference)
-
-
 @pytest.mark.parametrize("mode", [{}, STAGED], ids=["direct", "staged"])
 def test_fraction_betas_are_taken_as_the_floats_they_are(mode):
     """``numbers.Real`` betas pass the check; they must reach the kernel as floats (a Fraction
