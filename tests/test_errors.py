@@ -536,8 +536,14 @@ def test_non_tensor_state_is_refused_naming_parameter_and_key(key, value):
             "is a torch.float32 tensor of shape \\(\\) on cpu holding nan",
         ),
         (torch.tensor(-1.0), "tensor of shape \\(\\) on cpu holding -1.0;"),
+        (True, r"is True \(bool\)"),  # not taken as 1
+        (torch.tensor(True), r"is a torch.bool tensor of shape \(\) on cpu holding True"),
+        (torch.tensor(3 + 0j), r"is a torch.complex64 tensor of shape \(\)"),
     ],
-    ids=["None", "str", "meta", "two-elements", "negative", "inf", "nan", "negative-tensor"],
+    ids=[
+        *("None", "str", "meta", "two-elements", "negative", "inf", "nan", "negative-tensor"),
+        *("bool", "bool-tensor", "complex-tensor"),
+    ],
 )
 def test_bad_step_entry_is_refused_before_anything_changes(step, message):
     """Refused after the step counts, learning rates and new host buffers were installed."""

@@ -43,26 +43,6 @@ def test_fraction_betas_are_taken_as_the_floats_they_are(mode):
 
 
 # ----------------------------------------------------------------------------- step counts
-@pytest.mark.parametrize(
-    ("step", "message"),
-    [
-        (True, r"is True \(bool\)"),
-        (torch.tensor(True), r"is a torch.bool tensor of shape \(\) on cpu holding True"),
-        (torch.tensor(3 + 0j), r"is a torch.complex64 tensor of shape \(\)"),
-    ],
-    ids=["bool", "bool-tensor", "complex-tensor"],
-)
-def test_step_entry_that_is_no_count_is_refused_before_anything_changes(step, message):
-    (opt, params), (twin, twin_params) = twins()
-    before = snapshot(opt, params)
-    broken = copy.deepcopy(opt.state_dict())
-    broken["state"][2]["step"] = step
-    with pytest.raises(ValueError, match=rf"loaded 'step' for parameter 2 .*{message}"):
-        opt.load_state_dict(broken)
-    assert_unchanged(opt, params, before)
-    assert_steps_like_twin(opt, params, twin, twin_params)
-
-
 def test_entry_without_a_step_count_is_refused_naming_the_key():
     (opt, params), (twin, twin_params) = twins()
     before = snapshot(opt, params)

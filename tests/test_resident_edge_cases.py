@@ -14,16 +14,11 @@ import copy
 import pytest
 import torch
 from conftest import assert_same, clone_params, make_params, step_together
+from test_resident import SHAPES, STATE, staged
 
 from lightning_offload_optim import OffloadAdamW
 
-SHAPES = [(64, 3), (100,), (64, 5), (7,), (640,)]  # 192, 100, 320, 7, 640 elements
-STATE = 8 * (192 + 100 + 320 + 7 + 640)
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def staged(params, **kwargs) -> OffloadAdamW:
-    return OffloadAdamW(params, lr=0.05, force_staging=True, chunk_size=128, **kwargs)
 
 
 def test_auto_keeps_its_choice_while_nothing_is_laid_out_anew(monkeypatch, stream_order):
