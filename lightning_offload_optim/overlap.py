@@ -446,9 +446,9 @@ def _never_a_compiled_frame(function: Callable[..., Any]) -> bool:
     its own, once per op, with the ops' integer arguments soon made symbolic, which fails
     (``NYI SymInt equality``); with it never traced, each op a graph break, dynamo gives up on
     whole frames for good (a graph break at a Python operator cannot be resumed from). Dynamo's
-    private API; False where a torch lacks it (before 2.7) or traces the watch all the same
-    (before 2.12: no graph ran with the overlap on 2.9 to 2.11, and on 2.10 and 2.11 a tied
-    weight's read failed torch's own guard check, "Guard failed on the same frame it was
+    private API; False where a torch lacks it, and before torch 2.12, whose dynamo traced the
+    watch all the same (no graph ran with the overlap on 2.9 to 2.11, and on 2.10 and 2.11 a
+    tied weight's read failed torch's own guard check, "Guard failed on the same frame it was
     created"; measured on the CPU)."""
     if torch.__version__ < (2, 12):
         return False
