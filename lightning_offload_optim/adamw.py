@@ -246,7 +246,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._pin_memory = _resolve_pin_memory(pin_memory) if enabled else False
         try:
             super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
-        except TypeError:  # torch's checks of the values meet lr="1e-3" or betas=0.9 with this
+        except (TypeError, IndexError):  # torch's checks meet lr="1e-3", betas=(0.9,) with this
             given = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
             check_hyperparameters(
                 given | {"amsgrad": amsgrad, "maximize": maximize}, "OffloadAdamW"
@@ -282,8 +282,13 @@ class OffloadAdamW(torch.optim.AdamW):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, but a parameter listed twice in one group is refused (torch only warns,
         then steps it twice per step). Groups record ``fused=True``: that is the kernel used,
-        and ``torch.optim.AdamW`` loading the state dict then uses it too."""
+        and ``torch.optim.AdamW`` loading the state dict then uses it too. Its hyperparameters
+        are checked here, as at every step: a group every step would refuse is refused now."""
         params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is not None and self.enabled:
+            check_hyperparameters(
+                self.defaults | param_group, f"param group {len(self.param_groups)}"
+            )
         if isinstance(params, Tensor):
             refuse_fsdp1(params, 0)
         elif params is not None and not isinstance(params, set):

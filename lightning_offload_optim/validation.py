@@ -122,6 +122,8 @@ def check_hyperparameters(group: Mapping[str, Any], where: str) -> Hyperparamete
         raise ValueError(
             f"{where} has lr={_kind(lr)}; lr must be a finite number or a 1-element tensor"
         )
+    else:
+        lr = float(lr)  # the kernel takes no other numbers.Real (a Fraction)
     betas = group.get("betas")
     if isinstance(betas, Tensor) and betas.shape == (2,):
         betas = tuple(betas)

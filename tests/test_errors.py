@@ -94,12 +94,43 @@ def test_chunk_size_must_be_an_int():
         # torch's own checks fail on these with a bare TypeError ("'<=' not supported ...").
         ({"lr": "1e-3"}, ValueError, "OffloadAdamW has lr='1e-3' \\(str\\); lr must be a finite"),
         ({"betas": 0.9}, ValueError, "OffloadAdamW has betas=0.9; betas must be a pair"),
+        # torch's bare IndexError ("tuple index out of range").
+        ({"betas": (0.9,)}, ValueError, r"OffloadAdamW has betas=\(0.9,\); betas must be a pair"),
+        # torch takes it, and every step would refuse it.
+        ({"lr": torch.tensor(1)}, ValueError, "param group 0 has lr=a torch.int64 tensor"),
         ({"eps": "1e-8"}, ValueError, "OffloadAdamW has eps='1e-8' \\(str\\)"),
     ],
 )
 def test_arguments_of_the_wrong_type_are_named(kwargs, error, message):
     with pytest.raises(error, match=message):
         OffloadAdamW(make_params(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("eps", -1.0, r"param group 1 has eps=-1.0 \(float\)"),
+        ("lr", None, r"param group 1 has lr=None"),
+        ("amsgrad", 1, r"param group 1 has amsgrad=1 \(int\); it must be a bool"),
+    ],
+)
+def test_a_param_group_added_with_a_hyperparameter_every_step_refuses_is_refused_whole(
+    key, value, message
+):
+    """torch checks only the constructor's hyperparameters; a group added later is checked
+    where it is added (naming it), and is not added: the next step runs as before."""
+    params = make_params()
+    extra = torch.nn.Parameter(torch.ones(3))
+    opt = OffloadAdamW(params[:3], lr=0.01)
+    reference = clone_params(params[:3])
+    torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group({"params": [extra], key: value})
+    assert len(opt.param_groups) == 1
+    extra.grad = torch.ones(3)
+    step_together([opt, torch_opt], [params[:3], reference], torch.Generator().manual_seed(4), 2)
+    assert_same(params[:3], reference)
+    assert torch.equal(extra, torch.ones(3))
 
 
 def test_sparse_gradient_is_refused_before_any_update():

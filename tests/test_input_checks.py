@@ -26,13 +26,13 @@ STAGED = {"force_staging": True, "chunk_size": 64}
 
 # ----------------------------------------------------------------------------- hyperparameters
 @pytest.mark.parametrize("mode", [{}, STAGED], ids=["direct", "staged"])
-def test_fraction_betas_are_taken_as_the_floats_they_are(mode):
-    """``numbers.Real`` betas pass the check; they must reach the kernel as floats (a Fraction
-    handed on as it is fails inside the update, after the step counts advanced)."""
+def test_fraction_hyperparameters_are_taken_as_the_floats_they_are(mode):
+    """``numbers.Real`` lr and betas pass the check; they must reach the kernel as floats (a
+    Fraction handed on as it is fails inside the update, after the step counts advanced)."""
     params = make_params()
-    opt = OffloadAdamW(three_groups(params), **mode)
+    opt = OffloadAdamW(three_groups(params), lr=Fraction(1, 100), **mode)
     reference = clone_params(params)
-    torch_opt = torch.optim.AdamW(three_groups(reference), fused=True)
+    torch_opt = torch.optim.AdamW(three_groups(reference), lr=0.01, fused=True)
     opt.param_groups[2]["betas"] = (Fraction(1, 2), Fraction(3, 4))
     torch_opt.param_groups[2]["betas"] = (0.5, 0.75)
     step_together([opt, torch_opt], [params, reference], torch.Generator().manual_seed(2), 3)
