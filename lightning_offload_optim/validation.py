@@ -286,6 +286,9 @@ def check_entry(entry: Any, param: Tensor, amsgrad: bool, where: str) -> LoadedE
             f"loaded state for {where} is {_kind(entry)}; expected a dict of state such as "
             "'step', 'exp_avg' and 'exp_avg_sq'"
         )
+    # torch's set_optimizer_state_dict, unflattening a flattened dict, gives {} for each key
+    # this optimizer's state lists and the checkpoint lacks (master_param, from torch AdamW).
+    entry = {k: v for k, v in entry.items() if k not in PER_PARAM_KEYS or not _empty_dict(v)}
     # A max_exp_avg_sq kept after amsgrad was switched off is kept, as torch keeps it.
     amsgrad = amsgrad or "max_exp_avg_sq" in entry
     required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
@@ -299,6 +302,10 @@ def check_entry(entry: Any, param: Tensor, amsgrad: bool, where: str) -> LoadedE
         if name in entry
     }
     return LoadedEntry(param, entry, amsgrad, parts, step)
+
+
+def _empty_dict(value: Any) -> bool:
+    return isinstance(value, Mapping) and not value
 
 
 def match_loaded_state(

@@ -750,3 +750,39 @@ def test_a_diverged_element_keeps_the_rest_of_the_master_copy_through_an_in_plac
     assert params[2][7].isnan()
     for p, r in zip(params, reference, strict=True):
         torch.testing.assert_close(p, r, rtol=0, atol=0, equal_nan=True)
+
+
+def test_torch_low_precision_state_set_through_dcps_flattened_dict_resumes_exactly():
+    """torch's ``set_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True`` (as
+    torchtitan saves) rebuilds each key ``optimizer.state`` lists and hands ``{}`` for one the
+    checkpoint lacks: ``master_param``, from torch AdamW over bf16 parameters. That is no master
+    copy (it comes from the weights), not a malformed one. Reference: fp32 AdamW on fp32 copies,
+    loaded from the same torch state."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)).to(torch.bfloat16)
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(7)
+    step_together([torch_opt], [list(model.parameters())], generator, 2)
+    saved = copy.deepcopy(get_optimizer_state_dict(model, torch_opt, options=flat))
+
+    resumed = copy.deepcopy(model)
+    offload = OffloadAdamW(resumed.parameters(), lr=0.01)
+    set_optimizer_state_dict(resumed, offload, saved, options=flat)
+    reference = MasterCopyAdamW([{"params": list(model.parameters())}], lr=0.01)
+    reference.fp32.load_state_dict(torch_opt.state_dict())
+    for group in reference.fp32.param_groups:  # the load took the saved group's fused=None
+        group["fused"] = True
+    params = list(resumed.parameters())
+    step_together([offload, reference], [params, list(model.parameters())], generator, 2)
+    assert_same(params, list(model.parameters()))
+    for p, r in zip(params, model.parameters(), strict=True):
+        ours, master = offload.offloaded_state(p), reference.masters[r]
+        keys = ["exp_avg", "exp_avg_sq"]
+        expected = [reference.fp32.state[master][k] for k in keys] + [master]
+        assert_same([ours[k] for k in keys] + [ours["master_param"]], expected)
