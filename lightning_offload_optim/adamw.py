@@ -308,6 +308,9 @@ class OffloadAdamW(torch.optim.AdamW):
             _record_fused(self.param_groups[-1])
 
     # ------------------------------------------------------------------ step
+    # Compiled (``torch.compile(opt.step)``, or a compiled loop calling it) it runs eagerly:
+    # traced, its copies and streams failed inside the update, after the step counts advanced.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (with gradients enabled) if given, then one AdamW step; return its loss.

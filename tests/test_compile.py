@@ -30,6 +30,8 @@ from test_randomized import run_scenario
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_offload_optim import OffloadAdamW
+
 RESIDENT = [None, 0.5]
 RESIDENT_IDS = ["offloaded", "resident-0.5"]
 #: Before torch 2.12 the overlap's read watch is kept out of compiled code (each op a graph
@@ -349,3 +351,46 @@ def test_checkpointed_blocks_compiled_each_train_as_torch(stream_order):
     inputs = [torch.randn(5, 8, generator=generator) for _ in range(3)]
     train_alike([(model, ours), (twin, theirs)], inputs)
     assert_overlapped_alike(stream_order, ours, model, twin)
+
+
+@pytest.mark.parametrize("compiled", ["step", "training-step"])
+@pytest.mark.parametrize(
+    "mode", [{}, {"force_staging": True, "chunk_size": 64}], ids=["direct", "staged"]
+)
+def test_a_compiled_step_runs_eagerly_and_steps_as_torch(compiled, mode):
+    """``torch.compile(optimizer.step)`` (torch's recipe for compiling an optimizer), or a
+    compiled training step calling ``step()``, runs the step eagerly. Traced, it failed inside
+    the update (an internal error of torch's functionalization) after the step counts had
+    advanced, and every later step was refused."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+    def training_step(model: nn.Module, optimizer: Any, x: torch.Tensor) -> None:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    ours_model, torch_model = net(), net()
+    ours = OffloadAdamW(ours_model.parameters(), lr=0.01, **mode)
+    theirs = torch.optim.AdamW(torch_model.parameters(), lr=0.01, fused=True)
+    if compiled == "step":
+        compiled_step = torch.compile(ours.step, backend="aot_eager")
+        ours.step = compiled_step  # as the recipe's loop calls it
+    else:
+        training_step_ours = torch.compile(training_step, backend="aot_eager")
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 8, generator=generator)
+        if compiled == "step":
+            training_step(ours_model, ours, x)
+        else:
+            training_step_ours(ours_model, ours, x)
+        training_step(torch_model, theirs, x)
+    assert_same(list(ours_model.parameters()), list(torch_model.parameters()))
+    for p, r in zip(ours_model.parameters(), torch_model.parameters(), strict=True):
+        mine, torchs = ours.offloaded_state(p), theirs.state[r]
+        assert_same(
+            [mine["exp_avg"], mine["exp_avg_sq"]], [torchs["exp_avg"], torchs["exp_avg_sq"]]
+        )
