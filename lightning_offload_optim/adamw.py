@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
+from torch.utils.hooks import RemovableHandle
 
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT, adamw_update, take_edits
 from lightning_offload_optim.host_state import (
@@ -277,7 +278,21 @@ class OffloadAdamW(torch.optim.AdamW):
         self._overlap_finalizer: weakref.finalize | None = None
         self._resident_for: tuple = ()  # what the resident choice was made for
         self._next_chunks: list[Chunk] = []
-        self.register_state_dict_post_hook(OffloadAdamW._add_offloaded_state, prepend=True)
+        self._offloaded_state_hook = super().register_state_dict_post_hook(
+            OffloadAdamW._add_offloaded_state, prepend=True
+        )
+
+    def register_state_dict_post_hook(
+        self, hook: Callable[..., dict | None], prepend: bool = False
+    ) -> RemovableHandle:
+        """As torch's, but the hook that puts the offloaded state into the dict stays first, so
+        a hook prepended later also sees (and may replace) the state's tensors, as with torch's
+        AdamW, instead of placeholders that overwrite its edits."""
+        handle = super().register_state_dict_post_hook(hook, prepend)
+        if prepend:
+            hooks = self._optimizer_state_dict_post_hooks
+            hooks.move_to_end(self._offloaded_state_hook.id, last=False)
+        return handle
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, but a parameter listed twice in one group is refused (torch only warns,

@@ -786,3 +786,30 @@ def test_torch_low_precision_state_set_through_dcps_flattened_dict_resumes_exact
         keys = ["exp_avg", "exp_avg_sq"]
         expected = [reference.fp32.state[master][k] for k in keys] + [master]
         assert_same([ours[k] for k in keys] + [ours["master_param"]], expected)
+
+
+@pytest.mark.parametrize("prepend", [False, True], ids=["appended", "prepended"])
+def test_a_state_dict_post_hook_sees_and_edits_the_state_as_in_torch(prepend):
+    """A post-hook casting the saved moments to bf16 (a smaller checkpoint) must see tensors
+    and keep its edit, also when registered with ``prepend=True``: the hook that fills in the
+    offloaded state must run before it."""
+    seen = {}
+
+    def shrink(opt, state_dict):
+        seen[opt] = [type(v) for v in state_dict["state"][0].values()]
+        for entry in state_dict["state"].values():
+            entry["exp_avg"] = entry["exp_avg"].to(torch.bfloat16)
+        return state_dict
+
+    params = make_params()
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, lr=0.01, force_staging=True, chunk_size=64)
+    torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    step_together([offload, torch_opt], [params, reference], torch.Generator().manual_seed(3), 2)
+    for opt in (offload, torch_opt):
+        opt.register_state_dict_post_hook(shrink, prepend=prepend)
+    ours, theirs = offload.state_dict(), torch_opt.state_dict()
+    assert seen[offload] == seen[torch_opt] == [torch.Tensor] * 3
+    for index, entry in theirs["state"].items():
+        assert entry["exp_avg"].dtype == ours["state"][index]["exp_avg"].dtype == torch.bfloat16
+        assert_same(list(ours["state"][index].values()), list(entry.values()))

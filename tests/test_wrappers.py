@@ -84,6 +84,9 @@ def test_no_method_called_through_a_wrapper_keeps_anything_on_the_wrapper(stream
         "add_param_group": lambda: wrapper.add_param_group({"params": [extra]}),
         "zero_grad": lambda: wrapper.zero_grad(set_to_none=False),
         "state_dict": wrapper.state_dict,
+        "register_state_dict_post_hook": lambda: wrapper.register_state_dict_post_hook(
+            lambda opt, state_dict: None, prepend=True
+        ),
         "load_state_dict": lambda: wrapper.load_state_dict(optimizer.state_dict()),
         "offloaded_state": lambda: wrapper.offloaded_state(model.scale),
         "take_copies_between_steps": wrapper.take_copies_between_steps,
