@@ -196,7 +196,6 @@ class LoadedEntry:
     """
 
     param: Tensor
-    entry: Mapping[str, Any]
     amsgrad: bool
     local: dict[str, Tensor]
     step: Tensor
@@ -301,7 +300,7 @@ def check_entry(entry: Any, param: Tensor, amsgrad: bool, where: str) -> LoadedE
         for name in OFFLOADED_KEYS
         if name in entry
     }
-    return LoadedEntry(param, entry, amsgrad, parts, step)
+    return LoadedEntry(param, amsgrad, parts, step)
 
 
 def _empty_dict(value: Any) -> bool:
