@@ -90,6 +90,8 @@ def test_chunk_size_must_be_an_int():
     [
         ({"enabled": "false"}, TypeError, "enabled must be a bool, got 'false'"),  # bool() is True
         ({"force_staging": 1}, TypeError, "force_staging must be a bool, got 1"),
+        ({"enabled": None}, TypeError, "enabled must be a bool, got None"),  # pin_memory's "auto"
+        ({"force_staging": None}, TypeError, "force_staging must be a bool, got None"),
         ({"pin_memory": "yes"}, TypeError, "pin_memory must be a bool or None, got 'yes'"),
         # torch's own checks fail on these with a bare TypeError ("'<=' not supported ...").
         ({"lr": "1e-3"}, ValueError, "OffloadAdamW has lr='1e-3' \\(str\\); lr must be a finite"),
@@ -480,7 +482,8 @@ def test_fault_partway_through_the_update_refuses_until_a_checkpoint_is_loaded(m
     with pytest.raises(fault, match="simulated fault"):
         opt.step()
     monkeypatch.undo()
-    for call in (opt.step, opt.state_dict):
+    twin = copy.deepcopy(opt)  # holds the same half-updated state: refuses alike
+    for call in (opt.step, opt.state_dict, twin.step, twin.state_dict):
         with pytest.raises(RuntimeError, match="failed partway through its update"):
             call()
     with torch.no_grad():

@@ -386,6 +386,47 @@ def test_closure_runs_with_grad_and_returns_loss():
     assert not getattr(offload, "_step_supports_amp_scaling", False)
 
 
+@pytest.mark.parametrize("nothing", ["skipped", "no-gradients"])
+def test_a_step_that_updates_nothing_still_returns_the_closures_loss(nothing):
+    """torch's fused AdamW returns the closure's loss also when GradScaler's ``found_inf``
+    skips the update, or no parameter has a gradient; ours returns early in both cases."""
+    results = []
+    for make in (OffloadAdamW, lambda ps: torch.optim.AdamW(ps, fused=True)):
+        param = torch.nn.Parameter(torch.ones(8))
+        opt = make([param])
+        if nothing == "skipped":
+            opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.tensor(1.0)
+
+        def closure(param=param):
+            loss = (param * 2).sum()
+            if nothing == "skipped":
+                loss.backward()
+            return loss
+
+        results.append((opt.step(closure), param.detach().clone()))
+    (loss, param), (expected, expected_param) = results
+    assert loss is not None and expected is not None
+    assert_same([loss, param], [expected, expected_param])
+
+
+def test_disabled_is_torch_adamw_with_its_default_kernel():
+    """``enabled=False`` is exactly ``torch.optim.AdamW`` as constructed (not fused): its param
+    groups do not claim ``fused=True``, which would switch torch's step to the fused kernel,
+    whose bf16 rounding differs on the CPU. ``offloaded_state`` gives torch's state less the
+    step count, as when enabled."""
+    params = make_params(dtype=torch.bfloat16)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, weight_decay=0.1, amsgrad=True, enabled=False)
+    torch_opt = torch.optim.AdamW(reference, weight_decay=0.1, amsgrad=True)
+    assert offload.state_dict()["param_groups"] == torch_opt.state_dict()["param_groups"]
+    step_together([offload, torch_opt], [params, reference], torch.Generator().manual_seed(6), 5)
+    assert_same(params, reference)
+    for p, r in zip(params, reference, strict=True):
+        state, keys = offload.offloaded_state(p), ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+        assert list(state) == keys
+        assert_same(list(state.values()), [torch_opt.state[r][k] for k in keys])
+
+
 def test_memory_efficient_adamw_keeps_the_original_positional_signature():
     from lightning_offload_optim import MemoryEfficientAdamW
 

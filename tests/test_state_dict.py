@@ -410,6 +410,24 @@ def test_load_hooks_behave_as_in_torch(mode):
     OffloadAdamW(params, lr=0.01, **mode).load_state_dict(again)
 
 
+def test_load_pre_hooks_edit_a_copy_of_the_callers_dict_as_in_torch():
+    """torch hands its load pre-hooks a shallow copy: keys a hook sets or replaces at the top
+    level do not reach the dict the caller passed (it may be loaded again, or saved)."""
+
+    def hook(opt, state_dict):
+        state_dict["touched_by_hook"] = True
+        state_dict["param_groups"] = [dict(g, lr=0.5) for g in state_dict["param_groups"]]
+
+    for opt in (OffloadAdamW(make_params()), torch.optim.AdamW(make_params(), fused=True)):
+        step_together([opt], [opt.param_groups[0]["params"]], torch.Generator().manual_seed(9), 1)
+        saved = opt.state_dict()
+        groups = saved["param_groups"]
+        opt.register_load_state_dict_pre_hook(hook)
+        opt.load_state_dict(saved)
+        assert "touched_by_hook" not in saved and saved["param_groups"] is groups
+        assert opt.param_groups[0]["lr"] == 0.5
+
+
 def test_loading_keeps_the_optimizers_machinery():
     """torch's load ends by calling __setstate__; that must not rebuild the pipeline, the host
     store or the state_dict hook (each load added another hook and forgot a pinning failure)."""
@@ -479,6 +497,46 @@ def test_state_written_into_optimizer_state_is_adopted(written_on):
     step_together([opt, reference], [params, reference_params], generator, 2)
     assert_same(params, reference_params)
     assert_state_offloaded(opt, params)
+
+
+def test_an_entry_copied_by_hand_to_a_parameter_without_state_is_refused_whole():
+    """Another parameter's entry (its placeholder marks) put under a parameter that has no host
+    state yet holds nothing this parameter could start from: refused as found state is, naming
+    it, and nothing changes."""
+    params = make_params()
+    opt = OffloadAdamW(params[:2])
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    opt.state[params[1]] = dict(opt.state[params[0]])
+    params[1].grad = torch.ones_like(params[1])
+    before = [p.detach().clone() for p in params[:2]]
+    with pytest.raises(
+        ValueError, match=r"parameter 1 of param group 0 \(found in optimizer.state"
+    ):
+        opt.step()
+    assert_same(params[:2], before)
+
+
+def test_a_hand_written_entry_is_adopted_with_its_own_groups_amsgrad():
+    """A moment reset written into ``optimizer.state`` in torch's format, for a parameter of a
+    group without amsgrad, is taken (no ``max_exp_avg_sq`` needed) although another group has
+    amsgrad, as torch's AdamW takes it."""
+
+    def train(make) -> list[torch.Tensor]:
+        params = make_params()
+        opt = make([{"params": params[:2], "amsgrad": True}, {"params": params[2:]}])
+        generator = torch.Generator().manual_seed(8)
+        step_together([opt], [params], generator, 2)
+        opt.state[params[3]] = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(params[3]),
+            "exp_avg_sq": torch.zeros_like(params[3]),
+        }
+        step_together([opt], [params], generator, 2)
+        return params
+
+    ours = train(lambda groups: OffloadAdamW(groups, force_staging=True, chunk_size=64))
+    assert_same(ours, train(lambda groups: torch.optim.AdamW(groups, fused=True)))
 
 
 @pytest.mark.parametrize("written_on", ["step", "state_dict", "offloaded_state"])
@@ -710,6 +768,37 @@ def test_a_rollback_loading_the_optimizer_before_the_weights_keeps_the_saved_mas
         )
     step_together([ours, torch_ref], [params, reference], torch.Generator().manual_seed(7), 2)
     assert_same(params, reference)
+
+
+def test_masters_loaded_in_place_that_do_not_round_to_the_weights_are_taken_from_them():
+    """A distributed checkpoint read into this optimizer's own ``state_dict()`` views (in
+    place) with masters that do not round to the bf16 weights: the weights were not loaded
+    first, or the masters are a fake step's. They are taken from the weights, with a warning
+    saying so."""
+    params = make_params(dtype=torch.bfloat16)
+    opt = OffloadAdamW(params)
+    step_together([opt], [params], torch.Generator().manual_seed(10), 1)
+    saved = opt.state_dict()
+    saved["state"][1]["master_param"].fill_(5.0)  # in place, as dcp.load writes
+    with pytest.warns(UserWarning, match=r"master copies of 1 parameter\(s\).*do not round"):
+        opt.load_state_dict(saved)
+    assert_same([opt.offloaded_state(params[1])["master_param"]], [params[1].float()])
+
+
+@pytest.mark.parametrize("how", ["deleted", "cleared"])
+def test_offloaded_state_is_empty_once_the_entry_is_removed_by_hand(how):
+    """torch starts a parameter's state afresh after ``del opt.state[p]`` or
+    ``opt.state[p].clear()``; until then it holds none, and ``offloaded_state`` says so instead
+    of returning the old host buffers."""
+    params = make_params()
+    opt = OffloadAdamW(params)
+    step_together([opt], [params], torch.Generator().manual_seed(11), 1)
+    if how == "deleted":
+        del opt.state[params[2]]
+    else:
+        opt.state[params[2]].clear()
+    assert opt.offloaded_state(params[2]) == {}
+    assert opt.offloaded_state(params[1]).keys() == {"exp_avg", "exp_avg_sq"}
 
 
 def test_a_group_mixing_complex_and_real_parameters_does_not_claim_fused():
