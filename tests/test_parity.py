@@ -19,6 +19,10 @@ from conftest import (
     set_grads,
     step_together,
 )
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.testing._internal.common_optimizers import optim_db
 
 from lightning_offload_optim import OffloadAdamW
@@ -425,6 +429,41 @@ def test_disabled_is_torch_adamw_with_its_default_kernel():
         state, keys = offload.offloaded_state(p), ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
         assert list(state) == keys
         assert_same(list(state.values()), [torch_opt.state[r][k] for k in keys])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_step_hooks_run_once_a_step_as_in_torch(enabled):
+    """Per-optimizer and global step pre/post hooks run once per step, around the update, as
+    for torch.optim.AdamW (a disabled step calls torch's AdamW.step, which torch wraps with the
+    same hooks once any AdamW has been built, as here)."""
+    params = make_params()
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, enabled=enabled)
+    torch_opt = torch.optim.AdamW(reference)
+    calls: dict[str, list[str]] = {"offload": [], "torch": []}
+
+    def record(name: str):
+        def hook(opt, *args):
+            calls["offload" if opt is offload else "torch"].append(name)
+
+        return hook
+
+    handles = [
+        register_optimizer_step_pre_hook(record("global pre")),
+        register_optimizer_step_post_hook(record("global post")),
+    ]
+    for opt in (offload, torch_opt):
+        handles += [opt.register_step_pre_hook(record("pre"))]
+        handles += [opt.register_step_post_hook(record("post"))]
+    try:
+        step_together(
+            [offload, torch_opt], [params, reference], torch.Generator().manual_seed(3), 2
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(calls["torch"]) == 8  # each of the four hooks once a step
+    assert calls["offload"] == calls["torch"]  # and in torch's order
 
 
 def test_memory_efficient_adamw_keeps_the_original_positional_signature():

@@ -297,11 +297,17 @@ def test_copies_of_the_optimizer_keep_the_state_and_own_their_buffers(mode, copi
     )
 
 
-def test_copy_of_the_optimizer_matches_a_copy_of_torch_adamw():
+@pytest.mark.parametrize(
+    "settings, fused",
+    [({"force_staging": True, "chunk_size": 64}, True), ({"enabled": False}, None)],
+    ids=["offloaded", "disabled"],
+)
+def test_copy_of_the_optimizer_matches_a_copy_of_torch_adamw(settings, fused):
+    """A disabled optimizer's copy is a disabled optimizer too: still torch's own kernel."""
     params = make_params()
     reference = clone_params(params)
-    offload = OffloadAdamW(params, lr=0.01, force_staging=True, chunk_size=64)
-    torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    offload = OffloadAdamW(params, lr=0.01, **settings)
+    torch_opt = torch.optim.AdamW(reference, lr=0.01, fused=fused)
     generator = torch.Generator().manual_seed(14)
     step_together([offload, torch_opt], [params, reference], generator, 2)
     offload_copy, torch_copy = copy.deepcopy(offload), copy.deepcopy(torch_opt)
@@ -309,6 +315,7 @@ def test_copy_of_the_optimizer_matches_a_copy_of_torch_adamw():
         [offload_copy, torch_copy], [params_of(offload_copy), params_of(torch_copy)], generator, 3
     )
     assert_same(params_of(offload_copy), params_of(torch_copy))
+    assert offload_copy.enabled == offload.enabled
 
 
 def test_load_frees_the_buffers_it_replaces():
