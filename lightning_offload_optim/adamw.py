@@ -323,9 +323,6 @@ class OffloadAdamW(torch.optim.AdamW):
             _record_fused(self.param_groups[-1])
 
     # ------------------------------------------------------------------ step
-    # Compiled (``torch.compile(opt.step)``, or a compiled loop calling it) it runs eagerly:
-    # traced, its copies and streams failed inside the update, after the step counts advanced.
-    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (with gradients enabled) if given, then one AdamW step; return its loss.
@@ -345,19 +342,26 @@ class OffloadAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.enabled:
+        if self.enabled:
+            self._offloaded_step()
+        else:  # torch's own step, compiled too where the caller compiles it
             _torch_adamw_step(self)
-            return loss
+        return loss
+
+    # Compiled (``torch.compile(opt.step)``, or a compiled loop calling it) it runs eagerly:
+    # traced, its copies and streams failed inside the update, after the step counts advanced.
+    @torch.compiler.disable
+    def _offloaded_step(self) -> None:
         self._refuse_if_interrupted()
         grad_scale, skip = amp_scaling(self)
         if skip:  # GradScaler found inf/NaN gradients: nothing changes, as in torch's kernel
-            return loss
+            return
         hyper = [group_hyperparameters(g, i) for i, g in enumerate(self.param_groups)]
         if self.resident is not None or self._pipeline.resident_bytes:  # set, or set to None
             self._choose_resident()
         active, new_slots = self._collect_active()
         if not active:
-            return loss
+            return
         chunks = self._plan(active, cache=not new_slots)
         self._pipeline.prepare(chunks)
         self._fill_new_state(active, new_slots)
@@ -414,7 +418,6 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._interrupted = f"step() failed partway through its update ({_name(error)})"
                 self._pipeline.join_updates()
                 raise
-        return loss
 
     @_on_the_optimizer
     def overlap_with(

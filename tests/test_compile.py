@@ -353,15 +353,15 @@ def test_checkpointed_blocks_compiled_each_train_as_torch(stream_order):
     assert_overlapped_alike(stream_order, ours, model, twin)
 
 
-@pytest.mark.parametrize("compiled", ["step", "training-step"])
+@pytest.mark.parametrize("compiled", ["step", "step-with-closure", "training-step"])
 @pytest.mark.parametrize(
     "mode", [{}, {"force_staging": True, "chunk_size": 64}], ids=["direct", "staged"]
 )
 def test_a_compiled_step_runs_eagerly_and_steps_as_torch(compiled, mode):
     """``torch.compile(optimizer.step)`` (torch's recipe for compiling an optimizer), or a
-    compiled training step calling ``step()``, runs the step eagerly. Traced, it failed inside
-    the update (an internal error of torch's functionalization) after the step counts had
-    advanced, and every later step was refused."""
+    compiled training step calling ``step()``, runs the update eagerly (a closure given to the
+    compiled step is compiled). Traced, the update failed inside (an internal error of torch's
+    functionalization) after the step counts had advanced, and every later step was refused."""
 
     def net() -> nn.Module:
         torch.manual_seed(0)
@@ -375,16 +375,20 @@ def test_a_compiled_step_runs_eagerly_and_steps_as_torch(compiled, mode):
     ours_model, torch_model = net(), net()
     ours = OffloadAdamW(ours_model.parameters(), lr=0.01, **mode)
     theirs = torch.optim.AdamW(torch_model.parameters(), lr=0.01, fused=True)
-    if compiled == "step":
+    if compiled == "training-step":
+        training_step_ours = torch.compile(training_step, backend="aot_eager")
+    else:
         compiled_step = torch.compile(ours.step, backend="aot_eager")
         ours.step = compiled_step  # as the recipe's loop calls it
-    else:
-        training_step_ours = torch.compile(training_step, backend="aot_eager")
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randn(5, 8, generator=generator)
         if compiled == "step":
             training_step(ours_model, ours, x)
+        elif compiled == "step-with-closure":
+            loss = ours.step(lambda x=x: ours_model(x).square().mean().backward() or x.sum())
+            assert_same([loss], [x.sum()])
+            ours.zero_grad()
         else:
             training_step_ours(ours_model, ours, x)
         training_step(torch_model, theirs, x)
@@ -394,3 +398,31 @@ def test_a_compiled_step_runs_eagerly_and_steps_as_torch(compiled, mode):
         assert_same(
             [mine["exp_avg"], mine["exp_avg_sq"]], [torchs["exp_avg"], torchs["exp_avg_sq"]]
         )
+
+
+def test_a_disabled_optimizers_compiled_step_is_torchs_compiled_step():
+    """``enabled=False`` is torch's AdamW under ``torch.compile`` too: its step is traced into
+    the same graphs as torch's (kept eager, it made none) and steps alike."""
+    from torch._dynamo.testing import CompileCounter
+
+    params = [torch.randn(40, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    reference = [p.clone() for p in params]
+    ours = OffloadAdamW(params, lr=0.01, weight_decay=0.1, enabled=False)
+    theirs = torch.optim.AdamW(reference, lr=0.01, weight_decay=0.1)
+    counters = [CompileCounter(), CompileCounter()]
+    steps = [
+        torch.compile(opt.step, backend=c) for opt, c in zip((ours, theirs), counters, strict=True)
+    ]
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        grads = [torch.randn(40, generator=generator) for _ in params]
+        for ps, step in ((params, steps[0]), (reference, steps[1])):
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g.clone()
+            step()
+    assert counters[1].frame_count > 0
+    assert (counters[0].frame_count, counters[0].op_count) == (
+        counters[1].frame_count,
+        counters[1].op_count,
+    )
+    assert_same(params, reference)
