@@ -201,6 +201,29 @@ def test_settings_fixed_at_construction_are_refused_when_set(name, value):
     assert_steps_on_like_torch(opt, params, before)
 
 
+@pytest.mark.parametrize(
+    ("name", "hparam"),
+    [
+        ("enabled", "offload_enabled"),
+        ("chunk_size", "offload_chunk_size"),
+        ("pin_memory", "offload_pin_memory"),
+        ("force_staging", None),
+    ],
+)
+def test_a_fixed_setting_refused_names_the_mixins_hparam_only_where_there_is_one(name, hparam):
+    """The refusal points a Lightning user to the mixin's hparam that sets it at construction
+    (``offload_enabled``, ``offload_chunk_size``, ``offload_pin_memory``); ``force_staging``
+    (for tests) has none, and naming an ``offload_force_staging`` would send users to an hparam
+    the mixin does not read."""
+    opt = OffloadAdamW(make_params())
+    with pytest.raises(AttributeError) as refused:
+        setattr(opt, name, getattr(opt, name))
+    if hparam is None:
+        assert "hparam" not in str(refused.value)
+    else:
+        assert f"(the mixin's hparam {hparam})" in str(refused.value)
+
+
 def test_non_dense_parameter_is_refused():
     param = torch.nn.Parameter(torch.randn(3, 1).expand(3, 4))
     opt = OffloadAdamW([param])

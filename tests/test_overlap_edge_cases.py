@@ -26,6 +26,7 @@ from conftest import (
     make_params,
     overlapped_pair,
     record_update_order,
+    set_grads,
     train_alike,
 )
 from lightning_models import make_data, trainer
@@ -218,6 +219,56 @@ def test_overlap_with_called_again_replaces_the_first_overlap():
     gc.collect()
     assert pipeline() is None
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_overlap_with_another_module_orders_the_updates_by_its_forward(stream_order, monkeypatch):
+    """Performance (not results): after ``overlap_with`` a module that uses the same parameters
+    in another order, the updates follow that module's forward, so its first layer is ready
+    first; not the order of the chunk plans made for the first overlap, which are cached under
+    the same key (same parameters, as many of them seen in the forward)."""
+    a, b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+    forward, backward = nn.Sequential(a, nn.Tanh(), b), nn.Sequential(b, nn.Tanh(), a)
+    opt = OffloadAdamW([a.weight, b.weight], force_staging=True, chunk_size=64)
+    x = torch.ones(2, 8)
+    opt.overlap_with(forward)
+    for _ in range(2):
+        forward(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.overlap_with(backward)
+    updated = record_update_order(monkeypatch, opt)
+    backward(x).sum().backward()
+    opt.step()
+    opt.wait_for_updates()
+    assert [id(p) for p in updated] == [id(b.weight), id(a.weight)]
+
+
+def test_staging_grown_while_overlapped_updates_are_queued_is_kept_for_them(stream_order):
+    """A step whose chunks outgrow the staging buffers (a layer without gradients at the
+    first step has some now) replaces them while the last step's overlapped updates may still
+    read the old ones: their memory is kept for the update stream too, not only for the copy
+    streams, so the allocator hands it out again only after those updates. Results stay
+    torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 32))
+    twin = copy.deepcopy(model)
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=4096)
+    ours.overlap_with(model)
+    theirs = torch.optim.AdamW(twin.parameters(), lr=0.05, fused=True)
+    x = torch.ones(2, 8)
+    for net, opt in ((model, ours), (twin, theirs)):
+        net[2].requires_grad_(False)
+        net(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    # The next gradients come without a forward pass of the module (nothing waited yet).
+    generator = torch.Generator().manual_seed(1)
+    set_grads([list(model.parameters()), list(twin.parameters())], generator)
+    ours.step()
+    theirs.step()
+    ours.wait_for_updates()
+    stream_order.expect_none()
+    assert_same(list(model.parameters()), list(twin.parameters()))
 
 
 class LateFunctional(nn.Module):

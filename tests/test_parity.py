@@ -480,6 +480,24 @@ def test_memory_efficient_adamw_keeps_the_original_positional_signature():
     assert_same(params, reference)
 
 
+def test_memory_efficient_adamw_passes_the_keyword_settings_on():
+    """The legacy name takes OffloadAdamW's keyword-only settings too (``maximize``,
+    ``chunk_size``, ``force_staging``, ``resident``): each takes effect, none is dropped."""
+    from lightning_offload_optim import MemoryEfficientAdamW
+
+    params = make_params()
+    reference = clone_params(params)
+    legacy = MemoryEfficientAdamW(
+        params, 0.01, maximize=True, chunk_size=128, force_staging=True, resident=0.5
+    )
+    assert (legacy.chunk_size, legacy.force_staging, legacy.resident) == (128, True, 0.5)
+    assert legacy.param_groups[0]["maximize"] is True
+    torch_opt = torch.optim.AdamW(reference, 0.01, maximize=True, fused=True)
+    generator = torch.Generator().manual_seed(7)
+    step_together([legacy, torch_opt], [params, reference], generator, 3)
+    assert_same(params, reference)
+
+
 def test_grad_scaler_steps_without_closure_and_skips_non_finite_steps():
     params = make_params()
     reference = clone_params(params)

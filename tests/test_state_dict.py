@@ -546,6 +546,28 @@ def test_a_hand_written_entry_is_adopted_with_its_own_groups_amsgrad():
     assert_same(ours, train(lambda groups: torch.optim.AdamW(groups, fused=True)))
 
 
+def test_a_bf16_runs_entries_written_into_an_fp32_models_state_are_adopted():
+    """A bf16 run's state written into ``optimizer.state`` of the model cast to fp32 (as
+    ZeroRedundancyOptimizer's load writes a checkpoint's entries): the master copies, which
+    fp32 parameters have no use for, leave the entries with the other tensors, as a direct
+    load drops them; an entry keeping one would count as written by others at every look.
+    Training goes on as torch's AdamW given the same entries does."""
+    low = make_params(dtype=torch.bfloat16)
+    bf16 = OffloadAdamW(low, lr=0.01)
+    step_together([bf16], [low], torch.Generator().manual_seed(17), 2)
+    saved = save_and_load(bf16.state_dict())["state"]
+    params = [torch.nn.Parameter(p.detach().float()) for p in low]
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=0.01, force_staging=True, chunk_size=64)
+    theirs = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    for index, (p, r) in enumerate(zip(params, reference, strict=True)):
+        ours.state[p] = {k: v.clone() for k, v in saved[index].items()}
+        theirs.state[r] = {k: v.clone() for k, v in saved[index].items()}
+    step_together([ours, theirs], [params, reference], torch.Generator().manual_seed(18), 2)
+    assert_same(params, reference)
+    assert_state_offloaded(ours, params)
+
+
 @pytest.mark.parametrize("written_on", ["step", "state_dict", "offloaded_state"])
 @pytest.mark.parametrize(
     "mode", [{}, {"force_staging": True, "chunk_size": 64}], ids=["direct", "staged"]
@@ -806,6 +828,53 @@ def test_offloaded_state_is_empty_once_the_entry_is_removed_by_hand(how):
         opt.state[params[2]].clear()
     assert opt.offloaded_state(params[2]) == {}
     assert opt.offloaded_state(params[1]).keys() == {"exp_avg", "exp_avg_sq"}
+
+
+def test_every_param_group_saves_fused_as_torchs_fused_adamw_does():
+    """Each group says ``fused=True``, those after the first too (given to the constructor or
+    added later), as in the state dict of ``torch.optim.AdamW(fused=True)``: a group marked
+    only where the first one was would send a plain torch AdamW resuming the checkpoint to its
+    default kernel for that group, which is not exact."""
+    params = make_params()
+    reference = clone_params(params)
+
+    def groups(ps):
+        return [{"params": ps[:2]}, {"params": ps[2:4], "lr": 0.02}]
+
+    ours = OffloadAdamW(groups(params), lr=0.01)
+    theirs = torch.optim.AdamW(groups(reference), lr=0.01, fused=True)
+    ours.add_param_group({"params": params[4:], "weight_decay": 0.5})
+    theirs.add_param_group({"params": reference[4:], "weight_decay": 0.5})
+    step_together([ours, theirs], [params, reference], torch.Generator().manual_seed(14), 1)
+    saved = save_and_load(ours.state_dict())
+    assert saved["param_groups"] == theirs.state_dict()["param_groups"]
+    plain = torch.optim.AdamW(groups(params), lr=0.01)  # default implementation unless told
+    plain.add_param_group({"params": params[4:]})
+    plain.load_state_dict(saved)
+    assert [group["fused"] for group in plain.param_groups] == [True, True, True]
+
+
+@pytest.mark.parametrize("how", ["deleted", "cleared"])
+def test_state_dict_holds_no_state_for_an_entry_removed_by_hand_as_torchs(how):
+    """After ``del opt.state[p]`` or ``opt.state[p].clear()`` the parameter has no state, and
+    ``state_dict()`` says so as torch's AdamW's does (no entry, or an empty one), instead of
+    listing the old host buffers under it (moments without a step count, which torch's
+    ``load_state_dict`` would take for the state of a parameter that has none)."""
+    params = make_params()
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=0.01)
+    theirs = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    step_together([ours, theirs], [params, reference], torch.Generator().manual_seed(14), 2)
+    for opt, p in ((ours, params[2]), (theirs, reference[2])):
+        if how == "deleted":
+            del opt.state[p]
+        else:
+            opt.state[p].clear()
+    saved, expected = ours.state_dict()["state"], theirs.state_dict()["state"]
+    assert saved.keys() == expected.keys()
+    assert {i: entry.keys() for i, entry in saved.items()} == {
+        i: entry.keys() for i, entry in expected.items()
+    }
 
 
 def test_a_group_mixing_complex_and_real_parameters_does_not_claim_fused():
