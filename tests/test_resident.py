@@ -323,6 +323,25 @@ def test_state_is_kept_resident_again_after_release_device_memory(stream_order):
     stream_order.expect_none()
 
 
+def test_a_share_set_anew_copies_only_the_state_it_does_not_keep(stream_order):
+    """Chunk plans end where resident ranges do: plans cached for the old share (here none
+    kept) would make a chunk straddle the new share's edge and copy resident state too."""
+    params = make_params(SHAPES)
+    reference = clone_params(params)
+    ours = staged(params, resident=0.0)
+    theirs = torch.optim.AdamW(reference, lr=0.05, fused=True)
+    generator = torch.Generator().manual_seed(8)
+    step_together([ours, theirs], [params, reference], generator, 3)
+    ours.resident = 0.99  # the first four parameters: an edge inside a 128-element chunk
+    step_together([ours, theirs], [params, reference], generator, 2)
+    held = ours.memory_stats()["resident_bytes"]
+    assert held == 8 * (192 + 100 + 320 + 7)
+    moved = ours.last_step.resolve()
+    assert moved.bytes_in == moved.bytes_out == STATE - held
+    stream_order.expect_none()
+    assert_same(params, reference)
+
+
 def test_resident_set_anew_is_followed_from_the_next_step(stream_order):
     """``opt.resident`` set after construction: the next step keeps the new share (``0.0`` or
     ``None`` frees the resident buffers, which were kept before); an invalid value is refused
