@@ -12,7 +12,14 @@ import copy
 
 import pytest
 import torch
-from conftest import MasterCopyAdamW, assert_same, clamp_alike, record_update_order
+from conftest import (
+    MasterCopyAdamW,
+    assert_same,
+    clamp_alike,
+    overlapped_pair,
+    record_update_order,
+    train_alike,
+)
 from torch import nn
 
 from lightning_offload_optim import OffloadAdamW
@@ -240,6 +247,38 @@ def test_updates_run_in_the_order_the_forward_uses_parameters(monkeypatch):
     ]
     seen = list(dict.fromkeys(id(p) for p in updated))  # parameters split over chunks: once
     assert seen == [id(p) for p in first_use]
+
+
+class CalledTwiceFirst(nn.Module):
+    """``a`` is called twice before ``b`` runs, both registered in the reverse of that order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.b = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(torch.tanh(self.a(x))))).pow(2).mean()
+
+
+def test_a_module_called_twice_before_the_others_keeps_its_first_use(stream_order, monkeypatch):
+    """Performance (not results): a layer's second call in the same pass, before every
+    parameter has been seen, must not move its parameters' first use after those of the layers
+    that run later (the order must keep each parameter's first use, not its last), or the
+    parameters the next forward needs first would be updated later. Results as torch's."""
+    model, twin = CalledTwiceFirst(), CalledTwiceFirst()
+    ours, theirs = overlapped_pair(model, twin, lr=0.05)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(4, 8, generator=generator) for _ in range(3)]
+    train_alike([(model, ours), (twin, theirs)], inputs[:1])  # the first forward records it
+    updated = record_update_order(monkeypatch, ours)
+    train_alike([(model, ours), (twin, theirs)], inputs[1:])
+    first_use = [model.a.weight, model.a.bias, model.b.weight, model.b.bias]
+    assert list(dict.fromkeys(id(p) for p in updated)) == [id(p) for p in first_use]
+    stream_order.expect_none()
+    ours.wait_for_updates()
+    assert_same(list(model.parameters()), list(twin.parameters()))
 
 
 def test_fp16_parameters_under_grad_scaler(stream_order):

@@ -137,3 +137,30 @@ def test_bad_blocks_are_refused_and_the_overlap_kept(stream_order, blocks, error
     assert ours._overlapping() is overlap
     train_alike([(model, ours), (twin, theirs)], token_batches(3, seed=3))
     assert_overlapped_alike(stream_order, ours, model, twin)
+
+
+def test_a_block_whose_forward_raised_lets_its_modules_wait_again(stream_order):
+    """A block's forward that raised (an out-of-memory caught by a batch-size search) has
+    ended: its modules called on their own later (an evaluation between a step and the next
+    forward) must wait for their parameters, not take the block for still running."""
+    model, twin = Tower(), Tower()
+    ours, theirs = overlapped_pair(model, twin, lr=0.01)
+    ours.overlap_with(model, blocks=model.blocks)
+
+    def out_of_memory(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+    model.blocks[1].forward = out_of_memory
+    with pytest.raises(RuntimeError, match="simulated"):
+        model(torch.zeros(6, dtype=torch.long))
+    del model.blocks[1].forward
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 8, generator=generator)
+    for tokens in token_batches(3, seed=3):
+        for net, optimizer in ((model, ours), (twin, theirs)):
+            net(tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                net.blocks[1].up(x)
+    assert_overlapped_alike(stream_order, ours, model, twin)

@@ -821,3 +821,128 @@ def test_a_read_before_the_hook_in_a_later_micro_batch_is_seen():
     """The first micro-batch calls only hooked modules; the second reads head.weight before
     head runs: 'reached' counts per pass, not since the last step."""
     train_tied(passes=lambda step: [False, True] if step == 0 else [True])
+
+
+class HeadUsedLater(FunctionalHead):
+    """Training reads ``head.weight`` functionally only from some step on (``head`` unused, so
+    without gradients, before); evaluation calls ``head`` as a module."""
+
+    def forward(self, x, use_head: bool = True):
+        h = torch.tanh(self.body(x))
+        return F.linear(h, self.head.weight, self.head.bias) if use_head else h
+
+
+def test_an_evaluation_between_steps_does_not_count_as_a_hook_reaching_its_parameters(
+    stream_order,
+):
+    """Which parameters no hook reaches is learnt from the training forward passes before each
+    step: an evaluation pass (no_grad) that calls ``head`` as a module before a step does not
+    reach it for the training passes, which read ``head.weight`` functionally. It first gets a
+    gradient after the read watch stopped (the first step), so only "no training hook reached
+    it" makes that step wait for its update, and the next training forward's functional read
+    come after it."""
+    model, reference = HeadUsedLater(), HeadUsedLater()
+    opt, ref_opt = overlapped_pair(model, reference, lr=0.05)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x = torch.randn(3, 8, generator=generator)
+        for net, o in ((model, opt), (reference, ref_opt)):
+            net(x, use_head=step >= 2).pow(2).sum().backward()
+            with torch.no_grad():  # between backward and step: nothing of head's to wait for
+                net.evaluate(x)
+            o.step()
+            o.zero_grad()
+    assert id(model.head.weight) in opt._overlap.early
+    assert_overlapped_alike(stream_order, opt, model, reference)
+
+
+def test_the_unhooked_warning_is_given_once_for_a_run_of_unhooked_steps(stream_order):
+    """A run of steps that no hook of the overlapped module preceded warns once (at the second
+    step), not at every later step; a hooked step starts the count again."""
+    model = nn.Linear(4, 2)
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    ours.overlap_with(nn.Linear(2, 2))  # not the module training calls
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            model(torch.ones(2, 4)).sum().backward()
+            ours.step()
+            ours.zero_grad()
+    unhooked = [w for w in caught if "no forward hook of the overlapped module" in str(w.message)]
+    assert len(unhooked) == 1
+    stream_order.expect_none()
+
+
+class EvaluationFastPath(nn.Module):
+    """Training calls the layers; evaluation (grad off) reads their weights functionally, in a
+    fused path of its own, as ``nn.MultiheadAttention``'s fast path does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            return self.b(torch.tanh(self.a(x)))
+        h = torch.tanh(F.linear(x, self.a.weight, self.a.bias))
+        return F.linear(h, self.b.weight, self.b.bias)
+
+
+def test_an_evaluation_pass_before_the_first_step_is_not_watched(stream_order):
+    """Performance (not results): the read watch learns from training passes only. An
+    evaluation pass of the module before the first step (Lightning's sanity check) whose fast
+    path reads the weights before their modules' hooks must not make them "early", waited for
+    at every step (no forward pass could then overlap their updates)."""
+    model, reference = EvaluationFastPath(), EvaluationFastPath()
+    opt, ref_opt = overlapped_pair(model, reference, lr=0.05)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(3, 8, generator=generator) for _ in range(4)]
+    with torch.no_grad():
+        model(inputs[0])
+    train_alike(
+        [(lambda x: model(x).pow(2).sum(), opt), (lambda x: reference(x).pow(2).sum(), ref_opt)],
+        inputs,
+    )
+    assert opt._overlap.read_before_hook == set() and opt._overlap.early == set()
+    assert_overlapped_alike(stream_order, opt, model, reference)
+
+
+class InterruptedOnce(nn.Module):
+    """Its forward raises ``KeyboardInterrupt`` once, after ``a`` ran (a Ctrl-C in the first
+    training forward): the module's ``always_call`` hook that ends the watched pass is skipped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.interrupt = True
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        return h.sum()
+
+
+def test_removing_the_overlap_after_an_interrupted_pass_takes_the_watch_off_the_stack(
+    stream_order,
+):
+    """A pass interrupted before the first step leaves the read watch on the torch-function
+    stack; removing the overlap then (a fit torn down after the Ctrl-C) must take it off, or it
+    would watch every later op of the process, and no later pass would take it off."""
+    model = InterruptedOnce()
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    overlap = ours.overlap_with(model)
+    depth = torch._C._len_torch_function_stack()
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.ones(2, 4))
+    assert torch._C._len_torch_function_stack() == depth + 1  # the pass left it there
+    overlap.remove()
+    assert torch._C._len_torch_function_stack() == depth
+    model(torch.ones(2, 4)).backward()
+    ours.step()
+    assert torch._C._len_torch_function_stack() == depth
+    stream_order.expect_none()
