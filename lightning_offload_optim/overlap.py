@@ -159,7 +159,8 @@ class ForwardOverlap:
             _eager, (self._after_forward, self.begin_watch, self.end_watch)
         )
         self._handles.append(module.register_forward_hook(lambda *_: after_forward()))
-        self._handles.append(module.register_forward_pre_hook(lambda *_: begin()))
+        # Ahead of the module's own waiting hook, which marks its parameters reached this pass.
+        self._handles.append(module.register_forward_pre_hook(lambda *_: begin(), prepend=True))
         self._handles.append(module.register_forward_hook(lambda *_: end(), always_call=True))
 
     def _waits_for(self, params: list[Tensor], unit: nn.Module | None = None) -> Callable[[], None]:

@@ -946,3 +946,27 @@ def test_removing_the_overlap_after_an_interrupted_pass_takes_the_watch_off_the_
     ours.step()
     assert torch._C._len_torch_function_stack() == depth
     stream_order.expect_none()
+
+
+class ScaledLinear(nn.Module):
+    """The overlapped module reads a parameter of its own in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * self.scale).pow(2).mean()
+
+
+def test_the_modules_own_parameters_read_in_its_forward_are_not_early(stream_order):
+    """The module's own hook reaches its parameters before its forward reads them: they wait
+    there, in forward order, not as "early" (updated first and waited for at every step). The
+    watch for reads before hooks began after that hook and took the reads for early ones."""
+    model, twin = ScaledLinear(), ScaledLinear()
+    ours, theirs = overlapped_pair(model, twin, lr=0.01)
+    train_alike([(model, ours), (twin, theirs)], [torch.ones(2, 8)] * 3)
+    assert ours._overlap.read_before_hook == set() and ours._overlap.early == set()
+    assert_overlapped_alike(stream_order, ours, model, twin)
