@@ -82,15 +82,21 @@ def test_a_blocks_submodule_called_on_its_own_waits(stream_order):
     ours.overlap_with(model, blocks=model.blocks)
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(4, 8, generator=generator)
-    for _ in range(4):
-        tokens = torch.randint(0, 10, (6,), generator=generator)
-        for net, optimizer in ((model, ours), (twin, theirs)):
+    batches = [torch.randint(0, 10, (6,), generator=generator) for _ in range(4)]
+    train_calling_a_blocks_module_between([(model, ours), (twin, theirs)], batches, x)
+    assert_overlapped_alike(stream_order, ours, model, twin)
+
+
+def train_calling_a_blocks_module_between(pairs: list, batches: list, x: torch.Tensor) -> None:
+    """Train each (model, optimizer) pair, calling the second block's ``up`` on its own
+    (an evaluation) between each step and the next forward."""
+    for tokens in batches:
+        for net, optimizer in pairs:
             net(tokens).backward()
             optimizer.step()
             optimizer.zero_grad()
             with torch.no_grad():
                 net.blocks[1].up(x)
-    assert_overlapped_alike(stream_order, ours, model, twin)
 
 
 def test_inside_a_blocks_forward_only_the_block_waits(stream_order, monkeypatch):
@@ -154,13 +160,7 @@ def test_a_block_whose_forward_raised_lets_its_modules_wait_again(stream_order):
     with pytest.raises(RuntimeError, match="simulated"):
         model(torch.zeros(6, dtype=torch.long))
     del model.blocks[1].forward
-    generator = torch.Generator().manual_seed(3)
-    x = torch.randn(4, 8, generator=generator)
-    for tokens in token_batches(3, seed=3):
-        for net, optimizer in ((model, ours), (twin, theirs)):
-            net(tokens).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            with torch.no_grad():
-                net.blocks[1].up(x)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    pairs = [(model, ours), (twin, theirs)]
+    train_calling_a_blocks_module_between(pairs, token_batches(3, seed=3), x)
     assert_overlapped_alike(stream_order, ours, model, twin)
