@@ -357,7 +357,7 @@ def match_loaded_state(
             continue
         param, amsgrad, where = owner[key]
         where = f"{where} (key {key!r})"
-        if isinstance(entry, Mapping) and not entry:
+        if _empty_dict(entry):
             continue  # no state yet (torch's state is a defaultdict: reading it adds {})
         matched.append(check_entry(entry, param, amsgrad, where))
     return matched
