@@ -245,7 +245,7 @@ class OffloadOptimizerMixin:
             named = [
                 f"{name}={hparams[name]!r} ({argument})"
                 for name, argument in ARGUMENT_OF_HPARAM.items()
-                if name in hparams
+                if name in hparams and _names_argument(str(error), argument)
             ]
             if named:
                 _add_note(
@@ -470,6 +470,14 @@ def _init_parameters(cls: type) -> frozenset[str]:
         return frozenset(inspect.signature(cls.__init__).parameters)
     except (TypeError, ValueError):  # no signature to read (a C or wrapped __init__)
         return frozenset()
+
+
+def _names_argument(message: str, argument: str) -> bool:
+    """Whether an error is about ``argument``, in OffloadAdamW's words or torch's ("Invalid
+    learning rate", "Invalid beta parameter", "Invalid epsilon value"); one about the
+    parameters (an empty list) gets no note blaming the hparams."""
+    words = {"lr": "lr|learning rate", "betas": "betas?", "eps": "eps|epsilon"}.get(argument)
+    return re.search(rf"\b({words or argument})\b", message) is not None
 
 
 def _add_note(error: BaseException, note: str) -> None:
