@@ -73,14 +73,26 @@ class OffloadMonitor(Callback):
         prog_bar: also show ``memory_saved_gb`` in the progress bar.
         summary: print a summary at the end of ``fit`` (rank zero).
 
-    Example::
-
-        from lightning_offload_optim import OffloadMonitor, OffloadOptimizerMixin
-
-        class Model(OffloadOptimizerMixin, L.LightningModule): ...
-
-        trainer = L.Trainer(callbacks=[OffloadMonitor()], logger=CSVLogger("logs"))
-        trainer.fit(Model())
+    Example:
+        >>> import tempfile
+        >>> from lightning.pytorch.loggers import CSVLogger
+        >>> from lightning_offload_optim import OffloadMonitor, OffloadOptimizerMixin
+        >>> class Model(OffloadOptimizerMixin, pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.net = torch.nn.Linear(4, 1)
+        ...     def training_step(self, batch, batch_idx):
+        ...         return self.net(batch).square().mean()
+        ...     def train_dataloader(self):
+        ...         return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
+        >>> trainer = pl.Trainer(
+        ...     max_steps=2, log_every_n_steps=1, logger=CSVLogger(tempfile.mkdtemp()),
+        ...     callbacks=[OffloadMonitor(summary=False)], enable_progress_bar=False,
+        ...     enable_model_summary=False, enable_checkpointing=False,
+        ... )
+        >>> trainer.fit(Model())
+        >>> trainer.logged_metrics["offload/memory_saved_bytes"]  # 5 parameters' two moments
+        tensor(40., dtype=torch.float64)
     """
 
     def __init__(self, prefix: str = "offload/", prog_bar: bool = False, summary: bool = True):
@@ -174,7 +186,8 @@ class OffloadMonitor(Callback):
         self._unlogged, self._shown = False, True
         if self.prog_bar:
             saved = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
-            pl_module.log(f"{self.prefix}memory_saved_gb", saved / 1e9, prog_bar=True)
+            gigabytes = torch.tensor(saved / 1e9, dtype=torch.float64)  # as the row at the end
+            pl_module.log(f"{self.prefix}memory_saved_gb", gigabytes, prog_bar=True)
 
     def _hide_logged_values(self, trainer: pl.Trainer) -> None:
         """Lightning writes a row at a batch the monitor did not log when a later hook stops
