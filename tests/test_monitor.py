@@ -13,6 +13,7 @@ import weakref
 import pytest
 import torch
 from conftest import assert_same
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning_models import AtTrainEnd, TinyModel, TwoOptimizerModel, trainer
 
@@ -412,11 +413,22 @@ def test_a_disabled_offload_optimizer_is_not_monitored(tmp_path):
 
 class StepsAlsoWithoutGradients(TinyModel):
     """Manual optimization that also calls ``step()`` before any gradient exists in the batch
-    (a step with nothing to update, which makes no step record)."""
+    (a step with nothing to update, which makes no step record); ``stepped_before_fit``: its
+    optimizer, made here, already took a step (its record is no step of the fit)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stepped_before_fit: bool = False) -> None:
         super().__init__(force_staging=True)
         self.automatic_optimization = False
+        self.optimizer = None
+        if stepped_before_fit:
+            self.optimizer = OffloadAdamW(self.parameters(), force_staging=True, chunk_size=64)
+            for p in self.parameters():
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        return self.optimizer or super().configure_optimizers()
 
     def training_step(self, batch, batch_idx) -> None:
         opt = self.optimizers()
@@ -427,8 +439,9 @@ class StepsAlsoWithoutGradients(TinyModel):
         opt.step()
 
 
-def test_a_step_with_nothing_to_update_is_not_counted(tmp_path):
-    model = StepsAlsoWithoutGradients()
+@pytest.mark.parametrize("stepped_before_fit", [False, True])
+def test_a_step_with_nothing_to_update_is_not_counted(tmp_path, stepped_before_fit):
+    model = StepsAlsoWithoutGradients(stepped_before_fit)
     monitor = OffloadMonitor(summary=False)
     trainer(tmp_path, max_steps=12, callbacks=[monitor]).fit(model)  # 6 batches, 2 steps each
     (opt,) = model.trainer.optimizers
@@ -447,6 +460,57 @@ def test_the_optimizer_does_not_keep_the_monitor_alive_after_fit(tmp_path):
     gc.collect()
     assert gone() is None
     assert not optimizer._optimizer_step_post_hooks
+
+
+class WithMoreState(TinyModel):
+    """8,003,080 bytes of state instead of TinyModel's 3,080."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Parameter(torch.zeros(1_000_000))
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + self.extra.sum()
+
+
+class SummaryEachBatch(Callback):
+    def __init__(self, monitor: OffloadMonitor) -> None:
+        self.monitor, self.texts = monitor, []
+
+    def on_train_batch_end(self, *args) -> None:
+        self.texts.append(self.monitor.summary_text())
+
+
+def test_a_monitor_fitted_again_summarises_the_new_fits_state(tmp_path):
+    """The memory saved noted when the first fit ended is not the second fit's while it trains."""
+    monitor = OffloadMonitor(summary=False)
+    trainer(tmp_path / "first", max_steps=2, callbacks=[monitor]).fit(TinyModel())
+    summaries = SummaryEachBatch(monitor)
+    trainer(tmp_path / "second", max_steps=2, callbacks=[monitor, summaries]).fit(WithMoreState())
+    assert all(t.startswith("OffloadMonitor: 0.008 GB of optimizer state") for t in summaries.texts)
+    assert monitor.summary_text().startswith("OffloadMonitor: 0.008 GB")
+
+
+def test_interval_totals_reduce_the_slowest_step_as_a_maximum_over_ranks():
+    """Two ranks' intervals merged as torchmetrics merges them across ranks: counters and host
+    bytes add up, the slowest step is the slower rank's (not the sum of both)."""
+    from lightning_offload_optim.lightning.monitor import COUNTERS, IntervalTotals
+
+    ranks = []
+    for step_seconds in (0.003, 0.005):
+        totals = IntervalTotals()
+        values = torch.zeros(len(COUNTERS), dtype=torch.float64)
+        values[COUNTERS.index("steps")] = 1.0
+        values[COUNTERS.index("step_seconds")] = step_seconds
+        totals.update(values)
+        totals.host_bytes.fill_(100.0)
+        ranks.append(totals)
+    ranks[0].merge_state(ranks[1])
+    sums, slowest, host_bytes = ranks[0].compute()
+    assert slowest.item() == 0.005
+    assert sums[COUNTERS.index("steps")].item() == 2.0
+    assert sums[COUNTERS.index("step_seconds")].item() == 0.003 + 0.005
+    assert host_bytes.item() == 200.0
 
 
 def test_summary_false_prints_no_summary(tmp_path, caplog):

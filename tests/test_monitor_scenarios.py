@@ -39,7 +39,8 @@ class CaptureLogger(Logger):
 
     def __init__(self) -> None:
         super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
+        self.rows: list[tuple[int, dict[str, float]]] = []  # those with the monitor's values
+        self.every_row: list[tuple[int, dict[str, float]]] = []
 
     @property
     def name(self) -> str:
@@ -50,8 +51,10 @@ class CaptureLogger(Logger):
         return 0
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        row = (step, {k: float(v) for k, v in metrics.items()})
+        self.every_row.append(row)
         if any(k.startswith(P) for k in metrics):
-            self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+            self.rows.append(row)
 
     def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -349,6 +352,24 @@ def test_training_stopped_between_logging_steps_writes_its_last_interval(tmp_pat
     assert monitor.totals["steps"] == 3
 
 
+class LogsBatchIndex(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.log("batch_index", float(batch_idx), on_step=True, on_epoch=False)
+
+
+def test_the_row_training_stops_on_keeps_other_callbacks_values(tmp_path):
+    """Leaving the monitor's values out of the row Lightning writes when training stops between
+    logging steps leaves what other callbacks (here one before it) logged at that batch in it."""
+    logger = CaptureLogger()
+    callbacks = [LogsBatchIndex(), OffloadMonitor(summary=False), StopAtBatch(2)]
+    trainer(tmp_path, logger=logger, callbacks=callbacks, log_every_n_steps=2, max_steps=10).fit(
+        TinyModel(force_staging=True)
+    )
+    lightnings = [(s, m) for s, m in logger.every_row if "loss" in m]  # the monitor's has none
+    assert [(s, m.get("batch_index")) for s, m in lightnings] == [(1, 1.0), (2, 2.0)]
+    assert not any(k.startswith(P) for k in lightnings[1][1])
+
+
 def test_the_row_written_when_training_ends_holds_the_memory_saved_too(tmp_path):
     """With ``prog_bar=True`` every row holds ``memory_saved_gb``, also the one the monitor
     writes itself for the steps after Lightning's last logging step, the same float64 value
@@ -366,16 +387,21 @@ def test_the_row_written_when_training_ends_holds_the_memory_saved_too(tmp_path)
         assert row[P + "memory_saved_gb"] == (STATE - resident) / 1e9
 
 
-def test_training_stopped_on_an_accumulating_batch_writes_no_empty_row(tmp_path):
-    """Batch 2 only accumulates (no step since the row of batch 1): nothing is left to write."""
+@pytest.mark.parametrize("log_every_n_steps", [1, 2])
+def test_training_stopped_on_an_accumulating_batch_writes_no_empty_row(tmp_path, log_every_n_steps):
+    """Batch 2 only accumulates. Logging every step, the step of batch 1 has its row: nothing is
+    left to write. Logging every 2nd, the monitor writes it (an accumulating batch between
+    them must not make it forget that step)."""
     logger, monitor = fit(
         tmp_path,
         TinyModel(force_staging=True),
         accumulate_grad_batches=2,
+        log_every_n_steps=log_every_n_steps,
         max_steps=10,
         callbacks=[StopAtBatch(2)],
     )
     assert [(s, m[P + "interval_steps"]) for s, m in logger.rows] == [(0, 1.0)]
+    assert moved(logger.rows) == [2 * STATE]
     assert monitor.totals["steps"] == 1
 
 
