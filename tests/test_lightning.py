@@ -17,9 +17,11 @@ from lightning_models import (
     ManualModel,
     TinyModel,
     TwoOptimizerModel,
+    make_data,
     torch_reference,
     trainer,
 )
+from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadAdamW, OffloadOptimizerMixin
 
@@ -167,6 +169,19 @@ def test_mixin_reads_hparams_and_can_decay_everything():
     (group,) = optimizer.param_groups
     assert group["lr"] == 0.3 and group["betas"] == (0.8, 0.999)
     assert group["weight_decay"] == 0.5 and group["amsgrad"] is True
+
+
+def test_lr_wins_over_learning_rate_where_both_are_saved():
+    """``learning_rate`` is read only in place of a missing ``lr`` (the LR finder's attribute
+    may be either; an ``lr`` the user set is not overridden by a leftover one)."""
+
+    class BothRates(OffloadOptimizerMixin, pl.LightningModule):
+        def __init__(self, lr: float = 0.1, learning_rate: float = 0.5) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.linear = torch.nn.Linear(4, 4)
+
+    assert {g["lr"] for g in BothRates().configure_optimizers().param_groups} == {0.1}
 
 
 def test_mixin_after_lightning_module_is_refused():
@@ -461,6 +476,50 @@ def test_a_group_added_without_decay_is_added_whole():
     assert len(optimizer.param_groups) == 3
     assert [id(p) for p in optimizer.param_groups[-1]["params"]] == [id(p) for p in params]
     assert optimizer.param_groups[-1]["weight_decay"] == 0.0
+
+
+def test_a_group_with_a_parameter_already_held_is_refused_whole():
+    """Split in two, its decayed half would be added before torch refused the half holding
+    the parameter the optimizer already has: the group is given to torch whole instead."""
+    model = TwoBackbones()
+    optimizer = model.configure_optimizers()
+    new, held = model.second[0].weight, model.head.bias  # decayed, spared
+
+    def groups() -> list[tuple[list[int], dict]]:
+        return [
+            ([id(p) for p in g["params"]], {**g, "params": None}) for g in optimizer.param_groups
+        ]
+
+    before = groups()
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        optimizer.add_param_group({"params": [new, held]})
+    assert groups() == before
+
+
+class RecordsEvalMode(TinyModel):
+    """Which mode the module and its layers are in at each validation step."""
+
+    def __init__(self, **hparams: Any) -> None:
+        super().__init__(**hparams)
+        self.modes: list[bool] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.modes.extend(module.training for module in self.modules())
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(4), batch_size=4)
+
+
+@pytest.mark.parametrize("overlap_step", [False, True])
+def test_validation_runs_in_eval_mode_and_training_resumes_in_train_mode(tmp_path, overlap_step):
+    """The mixin's ``on_validation_model_eval`` waits for the updates and then lets Lightning
+    put the module in eval mode (dropout off, batch norm's running statistics used)."""
+    model = RecordsEvalMode(force_staging=True, overlap_step=overlap_step)
+    trainer(tmp_path, max_steps=2, val_check_interval=1, check_val_every_n_epoch=None).fit(model)
+    # the sanity check's pass, then one after each of the two steps
+    assert len(model.modes) == 3 * len(list(model.modules()))
+    assert not any(model.modes)
+    assert all(module.training for module in model.modules())
 
 
 def test_offload_disabled_with_overlap_step_trains_like_torch_adamw(tmp_path):

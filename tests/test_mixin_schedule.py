@@ -181,6 +181,7 @@ class QKNormAttention(nn.Module):
         super().__init__()
         self.proj = nn.Linear(dim, dim, bias=False)
         self.q_norm_weight = nn.Parameter(torch.ones(dim))
+        self.kNorm = nn.Parameter(torch.ones(dim))  # a name that says norm in capitals
         self.pos_bias = nn.Parameter(torch.zeros(dim))
 
 
@@ -207,6 +208,7 @@ def test_norm_weights_of_non_torch_norm_classes_are_not_decayed():
     decayed.append(model.head.weight)
     spared = [model.rms.weight, model.t5.weight, model.ln2d.weight, model.ln2d.bias]
     spared += [model.gn.weight, model.gn.bias, model.attention.q_norm_weight]
+    spared += [model.attention.kNorm]
     spared += [model.attention.pos_bias, model.linear.bias]
     assert len(decayed) + len(spared) == len(list(model.parameters()))  # the lists are complete
 
