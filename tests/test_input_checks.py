@@ -147,3 +147,55 @@ def test_a_load_pre_hook_returning_no_state_dict_is_refused_whole():
     handle.remove()
     assert_unchanged(opt, params, before)
     assert_steps_like_twin(opt, params, twin, twin_params)
+
+
+def _offload_opt(**kwargs):
+    return OffloadAdamW([torch.nn.Parameter(torch.zeros(4))], lr=0.01, **kwargs)
+
+
+def test_a_zero_byte_budget_is_accepted_and_a_negative_one_refused():
+    """0 bytes (nothing resident) is a valid budget."""
+    opt = _offload_opt(resident=0)
+    assert opt.resident == 0 and type(opt.resident) is int
+    with pytest.raises(ValueError, match=r"resident as a number of bytes must be >= 0, got -1"):
+        opt.resident = -1
+
+
+@pytest.mark.parametrize(
+    "mode", [{}, {"force_staging": True, "chunk_size": 64}], ids=["direct", "staged"]
+)
+def test_one_element_tensor_betas_step_like_torch_adamw_with_float_betas(mode):
+    """Betas given as 1-element float tensors (a pair of them, or a shape-(2,) tensor) are
+    taken as the floats they hold, as torch's AdamW takes them (float64 here, to hold exactly
+    the floats given to torch)."""
+    params = make_params()
+    reference = clone_params(params)
+    ours = OffloadAdamW(
+        params,
+        lr=0.01,
+        betas=(torch.tensor(0.8, dtype=torch.float64), torch.tensor(0.95, dtype=torch.float64)),
+        **mode,
+    )
+    theirs = torch.optim.AdamW(reference, lr=0.01, betas=(0.8, 0.95), fused=True)
+    step_together([ours, theirs], [params, reference], torch.Generator().manual_seed(1), 2)
+    ours.param_groups[0]["betas"] = torch.tensor([0.7, 0.9], dtype=torch.float64)
+    theirs.param_groups[0]["betas"] = (0.7, 0.9)
+    step_together([ours, theirs], [params, reference], torch.Generator().manual_seed(2), 2)
+    assert_same(params, reference)
+
+
+def test_a_group_whose_amsgrad_key_was_deleted_is_refused_before_anything_changes():
+    """``amsgrad`` has no default at step time (unlike ``decoupled_weight_decay``): a group
+    without it is refused, and nothing changes."""
+    params = make_params()
+    opt = OffloadAdamW(params, lr=0.01)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    del opt.param_groups[0]["amsgrad"]
+    with pytest.raises(
+        ValueError, match=r"^param group 0 has amsgrad=None \(NoneType\); it must be a bool$"
+    ):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert not opt.state

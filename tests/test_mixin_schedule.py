@@ -803,3 +803,83 @@ def test_a_legacy_checkpoint_of_the_same_schedule_resumes_without_a_warning():
         optimizer.step()
         schedule.step()
     assert lrs == pytest.approx([expected(s) for s in range(4, 10)], rel=1e-12)
+
+
+# ------------------------------------------------------------------ 5. edge cases
+def _sgd(lr: float = 1.0) -> torch.optim.SGD:
+    return torch.optim.SGD([torch.zeros(1, dtype=torch.float64, requires_grad=True)], lr=lr)
+
+
+def _run(optimizer, schedule, steps: range) -> list[float]:
+    lrs = []
+    for _ in steps:
+        lrs.append(float(optimizer.param_groups[0]["lr"]))
+        optimizer.step()
+        schedule.step()
+    return lrs
+
+
+def test_a_warm_up_as_long_as_the_schedule_reaches_its_peak_and_does_not_warn():
+    """A warm-up as long as the schedule reaches factor 1 on its last step: no 'never reaches
+    its peak' warning."""
+    optimizer = _sgd()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        schedule = WarmupCosineLR(optimizer, warmup_steps=4, total_steps=4)
+    assert not [w for w in caught if "never reaches its peak" in str(w.message)]
+    assert _run(optimizer, schedule, range(4)) == pytest.approx([0.25, 0.5, 0.75, 1.0], rel=1e-12)
+
+
+def test_follow_length_after_the_first_step_changes_nothing():
+    """``follow_length`` acts only before the first step; once stepping, the schedule keeps its
+    horizon."""
+    optimizer = _sgd()
+    schedule = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10)
+    lrs = _run(optimizer, schedule, range(1))
+    schedule.follow_length(20)
+    assert schedule.total_steps == 10
+    lrs += _run(optimizer, schedule, range(1, 10))
+    assert lrs == pytest.approx([reference_lr_factor(2, 10, 0.0, s) for s in range(10)], rel=1e-12)
+
+
+def test_an_lr_set_by_hand_just_before_a_checkpoint_is_kept_after_resuming():
+    """An lr set by hand after step k and saved before step k+1 is, after loading, scheduled
+    from there (hand * f(s) / f(k)), as without the save and load, not from base * f(s)."""
+
+    def make():
+        optimizer = _sgd()
+        return optimizer, WarmupCosineLR(
+            optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.1
+        )
+
+    optimizer, schedule = make()
+    _run(optimizer, schedule, range(4))  # last_epoch == 4: the lr in effect is f(4)
+    optimizer.param_groups[0]["lr"] = 0.3  # by hand (BackboneFinetuning-style) between steps
+    saved_opt, saved_sched = optimizer.state_dict(), schedule.state_dict()
+    optimizer, schedule = make()
+    optimizer.load_state_dict(saved_opt)  # Lightning's order: optimizer first
+    schedule.load_state_dict(saved_sched)
+    lrs = _run(optimizer, schedule, range(4, 10))
+    factor = [reference_lr_factor(2, 10, 0.1, s) for s in range(10)]
+    assert lrs == pytest.approx([0.3 * factor[s] / factor[4] for s in range(4, 10)], rel=1e-12)
+
+
+def test_a_state_dict_recording_no_schedule_shape_loads_without_a_shape_change_warning():
+    """A scheduler state that records no shape (a plain torch LambdaLR's, from a run that used
+    its own schedule) is no changed horizon: no 'the checkpoint's schedule was {}' warning."""
+    optimizer = _sgd()
+    other = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    for _ in range(3):
+        optimizer.step()
+        other.step()
+    saved_opt, saved_sched = optimizer.state_dict(), other.state_dict()
+    optimizer = _sgd()
+    schedule = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10)
+    optimizer.load_state_dict(saved_opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        schedule.load_state_dict(saved_sched)
+    assert not [w for w in caught if "WarmupCosineLR" in str(w.message)]
+    assert schedule.last_epoch == 3
+    # The lr restored with the optimizer is the one the next step uses.
+    assert optimizer.param_groups[0]["lr"] == 1.0
