@@ -367,3 +367,18 @@ def test_resident_set_anew_is_followed_from_the_next_step(stream_order):
     step_together([ours, torch_opt], [params, reference], generator, 1)
     assert ours.memory_stats()["resident_bytes"] == held
     assert_same(params, reference)
+
+
+@pytest.mark.parametrize(("share", "expected"), [(0.0995, 0), (0.1, 80)])
+def test_a_share_never_rounds_the_budget_up(stream_order, share, expected):
+    """A share of 0.0995 of 800 bytes of state is 79.6 bytes: the first parameter's 80 bytes do
+    not fit (a budget rounded up would keep them); 0.1 is 80 bytes and keeps them."""
+    params = make_params([(10,), (90,)])
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=0.05, force_staging=True, chunk_size=128, resident=share)
+    theirs = torch.optim.AdamW(reference, lr=0.05, fused=True)
+    step_together([ours, theirs], [params, reference], torch.Generator().manual_seed(0), 3)
+    stream_order.expect_none()
+    assert_same(params, reference)
+    assert ours.memory_stats()["state_bytes"] == 800
+    assert ours.memory_stats()["resident_bytes"] == expected
