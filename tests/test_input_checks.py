@@ -149,13 +149,9 @@ def test_a_load_pre_hook_returning_no_state_dict_is_refused_whole():
     assert_steps_like_twin(opt, params, twin, twin_params)
 
 
-def _offload_opt(**kwargs):
-    return OffloadAdamW([torch.nn.Parameter(torch.zeros(4))], lr=0.01, **kwargs)
-
-
 def test_a_zero_byte_budget_is_accepted_and_a_negative_one_refused():
     """0 bytes (nothing resident) is a valid budget."""
-    opt = _offload_opt(resident=0)
+    opt = OffloadAdamW([torch.nn.Parameter(torch.zeros(4))], resident=0)
     assert opt.resident == 0 and type(opt.resident) is int
     with pytest.raises(ValueError, match=r"resident as a number of bytes must be >= 0, got -1"):
         opt.resident = -1
