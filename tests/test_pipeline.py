@@ -615,6 +615,26 @@ def test_release_of_a_pinned_arena_waits_for_its_last_write_and_its_last_read(mo
     assert len(unregistered) == 2  # one registration per key
 
 
+def test_an_arena_of_empty_parameters_pins_nothing(monkeypatch):
+    """A kind of state held only by zero-element parameters (a complex or bf16 tensor of shape
+    (0, n) beside float ones) lays out no memory: asking to pin it must not map or register
+    zero bytes (mmap refuses a zero length), and the step is still torch AdamW's."""
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    unregistered = fake_cuda_pinning(monkeypatch, [False])
+    values = [torch.randn(40, 3), torch.zeros(0, 5, dtype=torch.complex64)]
+    params = [torch.nn.Parameter(v.clone()) for v in values]
+    reference = [torch.nn.Parameter(v.clone()) for v in values]
+    ours = OffloadAdamW(params, force_staging=True, chunk_size=64, pin_memory=True)
+    theirs = torch.optim.AdamW(reference, foreach=False)
+    step_together([ours, theirs], [params, reference], torch.Generator().manual_seed(0), 3)
+    assert_same(params, reference)
+    assert [arena.pinned for arena in ours._host.arenas] == [True, False]
+    assert ours.memory_stats()["pinned"]
+    del ours
+    gc.collect()
+    assert len(unregistered) == 2  # the float arena's two keys; nothing for the empty one
+
+
 def test_buffers_of_state_cleared_for_every_parameter_are_freed():
     """State cleared for all parameters (a fine-tuning phase that resets the optimizer) is laid
     out afresh: the old arena holds nothing and is dropped, not kept (host memory the size of
