@@ -277,13 +277,15 @@ def strided_shard_loads(mesh) -> dict:
     """Full tensors and replicated DTensors loaded into parameters whose ``_StridedShard``
     placement takes rows that are not one block (rows 0, 1, 4, 5 of 8 on rank 0; uneven with
     9 rows; along dimension 1): each rank must take its own rows, not a block at its offset.
+    With ``split_factor=1`` a rank's rows are one block, which must start at its offset.
     The reference is the saved state gathered by DTensor itself. (Every rank makes the same
     tensors and takes its part without a scatter, which uneven strided shards do not take.)"""
     layouts = [
         ((8, 3), _StridedShard(0, split_factor=2)),
         ((9, 4), _StridedShard(0, split_factor=2)),
+        ((3, 8), _StridedShard(1, split_factor=2)),
+        ((6, 2), _StridedShard(0, split_factor=1)),
     ]
-    layouts.append(((3, 8), _StridedShard(1, split_factor=2)))
     generator = torch.Generator().manual_seed(7)
     values = [torch.randn(shape, generator=generator) for shape, _ in layouts]
 
