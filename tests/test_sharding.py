@@ -251,14 +251,19 @@ def test_state_of_low_precision_dtensor_parameters_is_float32_throughout(mesh):
     assert copied["state"][0]["exp_avg"].dtype == torch.float32
 
 
-def test_state_on_another_mesh_with_the_same_placements_is_refused(mesh):
+@pytest.mark.parametrize(
+    "placement", [Shard(0), Replicate()], ids=["same-placements", "replicated"]
+)
+def test_state_on_another_mesh_is_refused(mesh, placement):
+    """The parameter's own placements, or Replicate, on a mesh other than the parameter's say
+    nothing of which rank holds what: refused, the state left as it was."""
     opt, param = trained(mesh, shape=(4, 4))
     saved = opt.state_dict()
     before = opt.offloaded_state(param)["exp_avg"].full_tensor()
     other = init_device_mesh("cpu", (1,), mesh_dim_names=("other",))
     entry = saved["state"][0]
     entry["exp_avg"] = DTensor.from_local(
-        entry["exp_avg"].to_local().clone() + 1, other, [Shard(0)]
+        entry["exp_avg"].to_local().clone() + 1, other, [placement]
     )
     with pytest.raises(ValueError, match=r"torch\.distributed\.checkpoint"):
         opt.load_state_dict(saved)
