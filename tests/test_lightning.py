@@ -478,6 +478,45 @@ def test_a_group_added_without_decay_is_added_whole():
     assert optimizer.param_groups[-1]["weight_decay"] == 0.0
 
 
+@pytest.mark.parametrize(
+    "spared",
+    [
+        lambda m: list(m.first[1].parameters()),  # a LayerNorm unfrozen alone
+        lambda m: [m.first[0].bias, m.second[0].bias],  # biases only (BitFit)
+        lambda m: m.first[0].bias,  # a lone tensor, which torch takes as a list of one
+    ],
+    ids=["norm", "biases", "lone-tensor"],
+)
+def test_a_group_added_later_of_spared_parameters_only_gets_no_decay(spared):
+    """Biases and norm weights added later are spared from decay even with nothing to split
+    them from: one group at ``weight_decay=0``, trained as torch AdamW trains that group."""
+    model = TwoBackbones()
+    optimizer = model.configure_optimizers()
+    params = spared(model)
+    listed = [params] if isinstance(params, torch.Tensor) else params
+    reference = [p.detach().clone().requires_grad_() for p in [model.head.weight, *listed]]
+    head_bias = model.head.bias.detach().clone().requires_grad_()
+    theirs = torch.optim.AdamW(
+        [{"params": reference[:1]}, {"params": [head_bias], "weight_decay": 0.0}],
+        lr=0.01,
+        weight_decay=0.1,
+        fused=True,
+    )
+    theirs.add_param_group({"params": reference[1:], "lr": 0.001, "weight_decay": 0.0})
+    optimizer.add_param_group({"params": params, "lr": 0.001})
+    assert len(optimizer.param_groups) == 3
+    assert [id(p) for p in optimizer.param_groups[-1]["params"]] == [id(p) for p in listed]
+    ours = [model.head.weight, *listed, model.head.bias]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in zip(ours, [*reference, head_bias], strict=True):
+            p.grad = torch.randn(p.shape, generator=generator)
+            q.grad = p.grad.clone()
+        optimizer.step()
+        theirs.step()
+    assert_same(ours, [*reference, head_bias])
+
+
 def test_a_group_with_a_parameter_already_held_is_refused_whole():
     """Split in two, its decayed half would be added before torch refused the half holding
     the parameter the optimizer already has: the group is given to torch whole instead."""

@@ -538,7 +538,8 @@ def split_groups_added_later(optimizer: torch.optim.Optimizer, model: torch.nn.M
     """Make ``optimizer.add_param_group`` spare biases and norm weights of ``model`` from weight
     decay, as the mixin's own groups do: a group added later (``BaseFinetuning`` unfreezing a
     backbone) becomes a decayed and a ``weight_decay=0`` group, linked so that an lr set by hand
-    on one (``BackboneFinetuning``) reaches both."""
+    on one (``BackboneFinetuning``) reaches both; a group of spared parameters only is added
+    whole at ``weight_decay=0``."""
     add = type(optimizer).add_param_group
     # Weak references: the optimizer must keep neither the model nor itself alive (a cycle
     # would leave its host buffers to the cyclic garbage collector).
@@ -548,16 +549,18 @@ def split_groups_added_later(optimizer: torch.optim.Optimizer, model: torch.nn.M
         model, optimizer = model_ref(), optimizer_ref()
         assert optimizer is not None  # called through it
         params = param_group.get("params")
-        if model is None or isinstance(params, (torch.Tensor, set)) or params is None:
-            return add(optimizer, param_group)
-        params = list(params)
+        if model is None or isinstance(params, set) or params is None:
+            return add(optimizer, param_group)  # torch refuses a set
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
         existing = {id(p) for g in optimizer.param_groups for p in g["params"]}
         decay = param_group.get("weight_decay", optimizer.defaults["weight_decay"])
         spared = no_decay_parameters(model)
         kept = [p for p in params if isinstance(p, torch.Tensor) and id(p) in spared]
         decayed = [p for p in params if not (isinstance(p, torch.Tensor) and id(p) in spared)]
-        if decay == 0 or not kept or not decayed or any(id(p) in existing for p in params):
+        if decay == 0 or not kept or any(id(p) in existing for p in params):
             return add(optimizer, {**param_group, "params": params})  # torch's checks apply
+        if not decayed:  # nothing to split from: the whole group is spared
+            return add(optimizer, {**param_group, "params": params, "weight_decay": 0.0})
         link = 1 + max((g.get(LINKED_GROUP_KEY, -1) for g in optimizer.param_groups), default=-1)
         add(optimizer, {**param_group, "params": decayed, LINKED_GROUP_KEY: link})
         add(optimizer, {**param_group, "params": kept, "weight_decay": 0.0, LINKED_GROUP_KEY: link})
