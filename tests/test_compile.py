@@ -195,7 +195,7 @@ def test_compiled_lightning_module_trains_as_torch(tmp_path, stream_order, resid
     assert_same(list(offload.parameters()), list(reference.parameters()))
     assert at_end.overlap.early == {id(offload.net[3].weight)}  # the watch saw the penalty
     assert (at_end.stats["resident_bytes"] > 0) == (resident is not None)
-    assert not getattr(offload.training_step, "_offload_watch", False)
+    assert not hasattr(offload.training_step, "_offload_replaced")
     # Lightning's compiled training_step, given back by the watch
     assert hasattr(vars(offload)["training_step"], "_torchdynamo_orig_callable")
     # The network has a hook of its own only as a block (it has no parameters of its own).

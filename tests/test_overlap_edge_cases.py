@@ -503,28 +503,34 @@ def test_after_a_tuner_the_real_run_overlaps_and_watches_training_step(
 
 class FailsOnce(ReadsHeadFirst):
     failed = False
+    at_batch = 2
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if batch_idx == 2 and not FailsOnce.failed:
+        if batch_idx == self.at_batch and not FailsOnce.failed:
             FailsOnce.failed = True
             raise RuntimeError("simulated: out of memory")
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.parametrize("at_batch", [0, 2], ids=["first-batch-watched", "after-steps"])
 def test_a_fit_that_failed_leaves_the_module_copyable_and_the_retry_frees_the_old_pipeline(
-    tmp_path, stream_order
+    tmp_path, stream_order, at_batch
 ):
     """Lightning calls no ``on_train_end`` or ``teardown`` when ``fit`` raises (an OOM, say):
     moving the module (``to``, as Lightning's own teardown does) must wait for the queued
-    updates; the module must still deep-copy (nothing of the optimizer in its ``__dict__``);
-    and a retry with a new Trainer must not keep the old optimizer's pipeline (its device
-    buffers) alive."""
+    updates; the module must still deep-copy and pickle while the Trainer lives (no hook or
+    ``training_step`` watch of the overlap left on it: local functions do not pickle); and a
+    retry with a new Trainer must not keep the old optimizer's pipeline (its device buffers)
+    alive."""
     import copy
     import gc
+    import pickle
     import weakref
 
     FailsOnce.failed = False
     model = FailsOnce()
+    model.at_batch = at_batch
+    hooks_before = {name: len(m._forward_pre_hooks) for name, m in model.named_modules()}
     first = trainer(tmp_path, max_steps=6)
     with pytest.raises(RuntimeError, match="simulated"):
         first.fit(model)
@@ -532,6 +538,9 @@ def test_a_fit_that_failed_leaves_the_module_copyable_and_the_retry_frees_the_ol
     stream_order.expect_none()
     model.to(torch.float32)
     copy.deepcopy(model)
+    assert {name: len(m._forward_pre_hooks) for name, m in model.named_modules()} == hooks_before
+    assert "training_step" not in vars(model)
+    pickle.loads(pickle.dumps(model))
     old = weakref.ref(first.optimizers[0]._pipeline)
     del first
 

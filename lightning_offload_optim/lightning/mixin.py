@@ -321,7 +321,7 @@ class OffloadOptimizerMixin:
         """Watch ``training_step`` until the first step (:func:`_watch_training_step`). Each
         training run starts here, a tuner's (``LearningRateFinder``, ``BatchSizeFinder``, which
         run in their ``on_fit_start``, before this module's) and the real one after it."""
-        watched = getattr(self.training_step, "_offload_watch", False)  # a tuner's, still on
+        watched = hasattr(self.training_step, "_offload_replaced")  # a tuner's, still on
         if any(o.watching for o in self._offload_overlaps()) and not watched:
             _watch_training_step(self)
         super().on_train_start()  # type: ignore[misc]
@@ -350,6 +350,13 @@ class OffloadOptimizerMixin:
 
     def _end_sigint_hold(self) -> None:
         raise_held_ctrl_c(getattr(self, "_trainer", None))
+
+    def _remove_offload_overlaps(self) -> None:
+        """Take the overlaps' hooks, and the ``training_step`` watch, off this module (their
+        local functions do not pickle), after the queued updates."""
+        for overlap in self._offload_overlaps():
+            overlap.remove()
+        _unwatch_training_step(self)
 
     def _offload_optimizers(self) -> list[OffloadAdamW]:
         trainer = getattr(self, "_trainer", None)
@@ -396,8 +403,7 @@ class OffloadOptimizerMixin:
         """Remove the hooks of the trainer's optimizers' overlaps from this module, and the
         callback that waits for their updates: a later fit makes new optimizers."""
         self._end_sigint_hold()
-        for overlap in self._offload_overlaps():
-            overlap.remove()
+        self._remove_offload_overlaps()
         trainer = getattr(self, "_trainer", None)
         if trainer is not None:
             trainer.callbacks[:] = _without_waits(trainer.callbacks)
@@ -433,13 +439,21 @@ def _watch_training_step(module: OffloadOptimizerMixin) -> None:
             for overlap in overlaps:
                 overlap.end_watch()
             if not any(o.watching for o in module._offload_overlaps()):
-                if replaced is None:
-                    vars(module).pop("training_step", None)
-                else:
-                    module.training_step = replaced  # type: ignore[method-assign]
+                _unwatch_training_step(module)
 
-    watched._offload_watch = True  # type: ignore[attr-defined]
+    watched._offload_replaced = replaced  # type: ignore[attr-defined]
     module.training_step = watched  # type: ignore[method-assign]
+
+
+def _unwatch_training_step(module: OffloadOptimizerMixin) -> None:
+    """Give back the ``training_step`` that :func:`_watch_training_step` wrapped, if it is on."""
+    watched = vars(module).get("training_step")
+    if not hasattr(watched, "_offload_replaced"):
+        return
+    if watched._offload_replaced is None:
+        del vars(module)["training_step"]
+    else:
+        module.training_step = watched._offload_replaced  # type: ignore[method-assign]
 
 
 def _cosine_length(trainer: pl.Trainer | None) -> int:
@@ -516,6 +530,14 @@ class _WaitForUpdates(pl.Callback):
             pl_module._wait_for_offload_updates()
 
     on_train_end = on_train_epoch_end
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Lightning calls no ``on_train_end`` or ``teardown`` when ``fit`` raises: the module
+        would keep the overlaps' hooks while the Trainer lives (and not pickle)."""
+        if isinstance(pl_module, OffloadOptimizerMixin):
+            pl_module._remove_offload_overlaps()
 
 
 def _without_waits(callbacks: list[Any]) -> list[Any]:
