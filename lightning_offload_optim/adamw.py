@@ -399,7 +399,7 @@ class OffloadAdamW(torch.optim.AdamW):
                         if a.param in new_slots:
                             self._mark_offloaded(a.param, a.slot, a.step)
                 # A tensor increment: 4x faster than a Python scalar over many tensors on the CPU.
-                torch._foreach_add_(host_steps, torch.tensor(1.0), alpha=1.0)
+                torch._foreach_add_(host_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
                 self._pipeline.run(chunks, update, overlap=overlap is not None)
                 for i in with_master:  # the updates, queued, have written the parameters
                     active[i].slot.param_mark = write_mark(active[i].param)
@@ -617,7 +617,7 @@ class OffloadAdamW(torch.optim.AdamW):
         for param, part, g, slot, step in found:
             if slot is None:
                 slot = new_slots[param]
-                step = torch.zeros((), dtype=torch.float32)
+                step = torch.zeros((), dtype=torch.float32, device="cpu")
             flat_param = slot.flat_param(part)
             flat_grad = slot.layout.flat(local(param.grad))
             active.append(_Active(param, slot, g, flat_param, flat_grad, step))

@@ -134,8 +134,10 @@ class ParamLayout:
 
 # ------------------------------------------------------------------------------ allocation
 def host_empty(numel: int, dtype: torch.dtype) -> Tensor:
-    """A pageable host buffer for state (the tests' stream checker watches this seam)."""
-    return torch.empty(numel, dtype=dtype)
+    """A pageable host buffer for state (the tests' stream checker watches this seam). The
+    device is named: a default device set by the user (``torch.set_default_device("cuda")``)
+    must not take the state off the host."""
+    return torch.empty(numel, dtype=dtype, device="cpu")
 
 
 class PinningError(RuntimeError):
@@ -212,7 +214,7 @@ def _pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> tuple
         return registered_empty(numel, dtype, lambda p, n: _cuda_host_register(p, n, device))
     # Other accelerators: torch's pinned allocator (rounds sizes up to a power of two).
     try:
-        return torch.empty(numel, dtype=dtype, pin_memory=True), []
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=True), []
     except RuntimeError as error:
         raise PinningError(str(error)) from error
 

@@ -174,7 +174,7 @@ def _strided_local_part(full: Tensor, param: Tensor) -> Tensor:
             ) from error
         rows = mine.to_local().reshape(-1).cpu()
         first = int(rows[0]) if rows.numel() else 0
-        if torch.equal(rows, torch.arange(first, first + rows.numel())):
+        if torch.equal(rows, torch.arange(first, first + rows.numel(), device="cpu")):
             part = part.narrow(dim, first, rows.numel())
         else:
             part = part.index_select(dim, rows.to(full.device))

@@ -218,7 +218,7 @@ def checked_step(value: Any, what: str) -> Tensor:
             f"{what} is {_kind(value)}; expected a finite number >= 0 or a 1-element tensor "
             "holding one"
         )
-    return torch.as_tensor(value).detach().to("cpu", torch.float32, copy=True).reshape(())
+    return torch.as_tensor(value, device="cpu").detach().to(torch.float32, copy=True).reshape(())
 
 
 def amp_scaling(optimizer: Any) -> tuple[Tensor | None, bool]:

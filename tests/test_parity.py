@@ -14,7 +14,9 @@ from conftest import (
     SHAPES,
     MasterCopyAdamW,
     assert_same,
+    assert_state_offloaded,
     clone_params,
+    exact_reference,
     make_params,
     set_grads,
     step_together,
@@ -847,3 +849,33 @@ def test_a_parameter_given_new_memory_of_the_same_layout_is_updated_there(force_
         p.data = p.data.clone()
     step_together([opt, torch_opt], [params, reference], generator, 2)
     assert_same(params, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"force_staging": True, "chunk_size": 64}, {"force_staging": True, "resident": 0.5}],
+    ids=["host", "staged", "resident"],
+)
+def test_state_stays_on_the_host_whatever_the_default_device(settings, dtype):
+    """``torch.set_default_device("cuda")`` (or ``with torch.device(...)``) must not move the
+    host state or the step counts off the host: every allocation names its device. The
+    ``meta`` device stands in for a GPU here (a tensor made there holds no data). The steps,
+    a save and a load under it match torch AdamW, whose state follows the parameters."""
+    params = make_params(dtype=dtype)
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=0.01, **settings)
+    theirs = exact_reference(reference, lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        set_grads([params, reference], generator)
+        with torch.device("meta"):
+            ours.step()
+            saved = ours.state_dict()
+            ours.load_state_dict(saved)
+        theirs.step()
+    assert_same(params, reference)
+    assert_state_offloaded(ours, params)
+    assert {v.device.type for s in ours.state_dict()["state"].values() for v in s.values()} == {
+        "cpu"
+    }
