@@ -1156,8 +1156,9 @@ def _copy_all(copies: list[tuple[Tensor, Tensor]]) -> None:
 def _record_fused(group: dict[str, Any]) -> None:
     """Mark a group ``fused=True`` (the kernel this optimizer runs) where torch's fused AdamW
     could take over its parameters, so a ``torch.optim.AdamW`` loading the saved groups runs
-    that kernel too instead of its default implementation."""
-    if all(p.is_floating_point() for p in group["params"]):
+    that kernel too instead of its default implementation (not where a loaded group says
+    ``differentiable=True``, which torch's fused AdamW refuses)."""
+    if not group.get("differentiable") and all(p.is_floating_point() for p in group["params"]):
         group["fused"] = True
 
 

@@ -246,6 +246,31 @@ def test_complex_parameters_save_their_state_as_complex_not_fused():
     assert offload.state_dict()["param_groups"][0]["fused"] is None
 
 
+def test_a_differentiable_checkpoint_saved_again_resumes_in_torch_as_torchs_own():
+    """torch's fused AdamW refuses ``differentiable=True``: a loaded group saying so is not
+    marked fused when saved again, so torch AdamW resumes our checkpoint as it resumes the
+    original (its differentiable implementation), instead of raising at its first step."""
+    params = make_params()
+    ours_params, theirs_params = clone_params(params), clone_params(params)
+    trained = torch.optim.AdamW(params, lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(12)
+    step_together([trained], [params], generator, 2)
+    checkpoint = trained.state_dict()
+    checkpoint["param_groups"][0].update(differentiable=True, fused=None)
+    for p, q, r in zip(params, ours_params, theirs_params, strict=True):
+        q.data.copy_(p)
+        r.data.copy_(p)
+    ours = OffloadAdamW(ours_params, lr=0.01)
+    ours.load_state_dict(save_and_load(checkpoint))
+    theirs = torch.optim.AdamW(theirs_params, lr=0.01)
+    theirs.load_state_dict(save_and_load(checkpoint))
+    resumed = torch.optim.AdamW(ours_params, lr=0.01)
+    resumed.load_state_dict(save_and_load(ours.state_dict()))
+    assert resumed.param_groups[0]["differentiable"] is True
+    step_together([resumed, theirs], [ours_params, theirs_params], generator, 2)
+    assert_same(ours_params, theirs_params)
+
+
 COPIES = {
     "deepcopy": copy.deepcopy,
     "pickle": lambda opt: pickle.loads(pickle.dumps(opt)),
