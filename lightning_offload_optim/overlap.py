@@ -110,6 +110,8 @@ class ForwardOverlap:
         self.early: set[int] = set()  # ids of parameters no hook reached: updated first
         #: ids of the module's parameters an op read before their hook ran (see _ReadWatch).
         self.read_before_hook: set[int] = set()
+        #: Parameters that compiled code read while watched, to note at the next hook or end.
+        self._traced_reads: list[Tensor] = []
         self._module_params = {id(p) for p in module.parameters()}
         self._watch = _ReadWatch(self)  # notes reads until the first step
         self.early_version = 0  # changes whenever ``early`` does (chunk plans depend on it)
@@ -209,6 +211,7 @@ class ForwardOverlap:
         if torch.is_grad_enabled():  # a training forward (evaluation may call other modules)
             self._reached.update(id(p) for p in params)
         if self.watching:  # what this pass reads from here on is read after the hook
+            self._note_traced_reads()
             self._reached_in_pass.update(id(p) for p in params)
         if not self.pending:
             return
@@ -273,6 +276,7 @@ class ForwardOverlap:
             self.wait_all()
             return
         self._unhooked_steps = 0
+        self._note_traced_reads()
         self._watch.stopped = True  # nothing was pending before this step; now it is
         unreached = {
             id(p) for p in current if id(p) not in reached or id(p) in self.read_before_hook
@@ -346,13 +350,24 @@ class ForwardOverlap:
         """Watch a forward pass (or a Lightning ``training_step``) for parameters read before
         their hook, until the first step (see :class:`_ReadWatch`); calls nest, and each must
         be matched by :meth:`end_watch`."""
+        self._note_traced_reads()
         if self._watch.begin():  # a new pass: its own module hooks have not run yet
             self._reached_in_pass.clear()
 
     def end_watch(self) -> None:
+        self._note_traced_reads()
         self._watch.end()
 
     def _note_reads(self, values: Iterable[Any]) -> None:
+        """Note the module's parameters among ``values`` (an op's inputs) that their hook has
+        not reached in this pass. Traced by dynamo, the parameters are only listed: a test of
+        their ``id`` would make it guard on each tensor's identity (an activation's too), and
+        compile the code again for every call (soon past its recompile limit, after which
+        that code never runs compiled). The hooks, which run as Python, note them before
+        marking their own parameters reached (the graph's side effects come first)."""
+        if torch.compiler.is_compiling():
+            self._traced_reads.extend(v for v in values if isinstance(v, nn.Parameter))
+            return
         for value in values:
             if (
                 isinstance(value, Tensor)
@@ -360,6 +375,11 @@ class ForwardOverlap:
                 and id(value) not in self._reached_in_pass
             ):
                 self.read_before_hook.add(id(value))
+
+    def _note_traced_reads(self) -> None:
+        if self._traced_reads:
+            reads, self._traced_reads = self._traced_reads, []
+            self._note_reads(reads)
 
     def remove(self) -> None:
         """Wait for the queued updates and remove the hooks; the optimizer's steps are then

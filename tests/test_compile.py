@@ -326,6 +326,70 @@ def test_parameter_free_ops_run_compiled_after_the_first_step(stream_order, per_
     assert_overlapped_alike(stream_order, ours, model, twin)
 
 
+class ReadsAhead(nn.Module):
+    """A layer whose forward reads its output projection's weight before calling it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + F.linear(x, self.out.weight.t())  # before out's hook
+        return x + self.out(torch.tanh(self.inner(x)))
+
+
+class DeepReadsAhead(nn.Module):
+    """More layers of one class than dynamo compiles a code object for (its recompile limit,
+    8), each reading a weight before its hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(ReadsAhead() for _ in range(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.skipif(not WATCHED_PASS_COMPILES, reason="the watched pass runs eagerly")
+def test_reads_before_hooks_in_compiled_layers_are_seen_without_compiling_per_layer(
+    stream_order,
+):
+    """Each layer compiled (``layer.compile()``): the watch, traced into the layers' code,
+    sees each weight read before its hook, and compiles that code once for all 12 layers. A
+    test of the tensors' identity in the traced watch made dynamo compile it again for every
+    layer's call (its activations differ), past its recompile limit: no graph ran from the
+    second step on."""
+    model, twin = DeepReadsAhead(), DeepReadsAhead()
+    ours, theirs = overlapped_pair(model, twin, lr=0.01)
+    recorder = Recorder()
+
+    def unwatched(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """The graphs run as a compiler's kernels run, unseen by torch-function modes (with
+        ``aot_eager`` the watch would also see the reads eagerly, as the graph runs)."""
+        run = recorder(graph, example_inputs)
+
+        def hidden(*args: Any) -> Any:
+            with torch._C.DisableTorchFunction():
+                return run(*args)
+
+        return hidden
+
+    for layer in model.layers:
+        layer.compile(backend=unwatched)
+    generator = torch.Generator().manual_seed(6)
+    runs_by_step = []
+    for _ in range(4):
+        before = recorder.runs
+        train_alike([(model, ours), (twin, theirs)], [torch.randn(5, 8, generator=generator)])
+        runs_by_step.append(recorder.runs - before)
+    assert min(runs_by_step) >= 12, runs_by_step
+    assert ours._overlap.early == {id(layer.out.weight) for layer in model.layers}
+    assert_overlapped_alike(stream_order, ours, model, twin)
+
+
 class Checkpointed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
