@@ -155,6 +155,11 @@ def _on_the_optimizer(method: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+#: For the methods that make or keep buffers: made inside ``torch.inference_mode()`` (torch's
+#: AdamW steps there too) they would be inference tensors, which nothing outside it may write.
+_outside_inference_mode = torch.inference_mode(False)
+
+
 class OffloadAdamW(torch.optim.AdamW):
     """AdamW whose state (moments, and an fp32 master copy of bf16/fp16 params) lives in host RAM.
 
@@ -351,6 +356,7 @@ class OffloadAdamW(torch.optim.AdamW):
     # Compiled (``torch.compile(opt.step)``, or a compiled loop calling it) it runs eagerly:
     # traced, its copies and streams failed inside the update, after the step counts advanced.
     @torch.compiler.disable
+    @_outside_inference_mode
     def _offloaded_step(self) -> None:
         self._refuse_if_interrupted()
         grad_scale, skip = amp_scaling(self)
@@ -499,6 +505,7 @@ class OffloadAdamW(torch.optim.AdamW):
             self._pipeline.set_resident(ranges)  # may raise: then chosen again at the next step
         self._resident_for = key
 
+    @_outside_inference_mode
     def _prefetch(self) -> None:
         """Queue the copy-in of the last step's first chunks (called after a forward pass)."""
         if self._interrupted is None and self._next_chunks:
@@ -765,6 +772,7 @@ class OffloadAdamW(torch.optim.AdamW):
                     torch._foreach_copy_(lists.grads, grads)
 
     # ------------------------------------------------------------ checkpoints
+    @_outside_inference_mode
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's format, loadable by it: per parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (and ``max_exp_avg_sq``), plus ``master_param`` for bf16/fp16 params.
@@ -801,6 +809,7 @@ class OffloadAdamW(torch.optim.AdamW):
         return state_dict
 
     @_on_the_optimizer
+    @_outside_inference_mode
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this optimizer or of ``torch.optim.AdamW``.
 

@@ -879,3 +879,34 @@ def test_state_stays_on_the_host_whatever_the_default_device(settings, dtype):
     assert {v.device.type for s in ours.state_dict()["state"].values() for v in s.values()} == {
         "cpu"
     }
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"force_staging": True, "chunk_size": 64}, {"force_staging": True, "resident": 0.5}],
+    ids=["host", "staged", "resident"],
+)
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_steps_inside_inference_mode_leave_buffers_usable_outside(settings, overlap):
+    """torch AdamW steps inside ``torch.inference_mode()``: the buffers made there (host state,
+    staging, step counts) must not be inference tensors, which nothing outside may write (the
+    next forward's prefetch, a save of resident state, a load). Alternating in and out, with a
+    save and a load outside, it trains as torch AdamW does."""
+    torch.manual_seed(0)
+    model, twin = torch.nn.Linear(12, 4), torch.nn.Linear(12, 4)
+    twin.load_state_dict(model.state_dict())
+    ours = OffloadAdamW(model.parameters(), lr=0.01, **settings)
+    if overlap:
+        ours.overlap_with(model)
+    theirs = torch.optim.AdamW(twin.parameters(), lr=0.01, fused=True)
+    inputs = torch.randn(4, 6, 12, generator=torch.Generator().manual_seed(1))
+    for i, x in enumerate(inputs):
+        for net, optimizer in ((model, ours), (twin, theirs)):
+            net(x).pow(2).mean().backward()
+            with torch.inference_mode(i % 2 == 0):
+                optimizer.step()
+            optimizer.zero_grad()
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    if overlap:
+        ours.wait_for_updates()
+    assert_same(list(model.parameters()), list(twin.parameters()))
