@@ -370,6 +370,8 @@ class OffloadAdamW(torch.optim.AdamW):
             return
         chunks = self._plan(active, cache=not new_slots)
         self._pipeline.prepare(chunks)
+        if new_slots:  # new master copies start from the weights, after updates writing them
+            self.wait_for_updates()  # (state cleared by hand after an overlapped step)
         self._fill_new_state(active, new_slots)
         host_steps = [a.step for a in active]
         # Only parameters with a master copy can lose an edit (fp32 ones are their own state).

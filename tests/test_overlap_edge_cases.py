@@ -23,6 +23,7 @@ from conftest import (
     assert_overlapped_alike,
     assert_same,
     clone_params,
+    exact_reference,
     make_params,
     overlapped_pair,
     record_update_order,
@@ -979,3 +980,29 @@ def test_the_modules_own_parameters_read_in_its_forward_are_not_early(stream_ord
     train_alike([(model, ours), (twin, theirs)], [torch.ones(2, 8)] * 3)
     assert ours._overlap.read_before_hook == set() and ours._overlap.early == set()
     assert_overlapped_alike(stream_order, ours, model, twin)
+
+
+def test_state_cleared_by_hand_after_an_overlapped_step_starts_from_the_updated_weights(
+    stream_order,
+):
+    """``optimizer.state.clear()`` between an overlapped step and another on the same gradients,
+    with no forward pass in between: the second step starts bf16 parameters' master copies
+    from the weights, which the first step's updates may still be writing. The copy waits for
+    them. Against torch: fused AdamW on fp32 copies, started afresh from the updated weights."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    ours.overlap_with(model)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    torch_opt = exact_reference(list(reference.parameters()), lr=0.05)
+    for net, optimizer in ((model, ours), (reference, torch_opt)):
+        net(x).float().pow(2).sum().backward()
+        optimizer.step()
+    ours.state.clear()
+    torch_opt = exact_reference(list(reference.parameters()), lr=0.05)
+    for optimizer in (ours, torch_opt):
+        optimizer.step()
+    stream_order.expect_none()
+    ours.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))
