@@ -781,7 +781,8 @@ class OffloadAdamW(torch.optim.AdamW):
 
         The moments are fp32 views of the host buffers, as torch returns references to its state
         (what is written through them before the next ``step()`` is what that step uses; unlike
-        torch's they do not follow later steps, so clone them to keep them past one);
+        torch's they do not follow later steps, so clone them to keep them past one), each with
+        a storage of its own span (pickle writes a tensor's whole storage);
         for DTensor parameters they are DTensors with the parameter's mesh, placements, global
         shape and stride over this rank's host buffers, as torch AdamW's DTensor state is.
         """
@@ -807,7 +808,8 @@ class OffloadAdamW(torch.optim.AdamW):
         for index, param in zip(saved_params, params, strict=True):
             slot = self._host.slots.get(param)
             if state_dict["state"].get(index) and slot is not None:
-                state_dict["state"][index] = {**state_dict["state"][index], **_views(param, slot)}
+                views = _views(param, slot, self._host.lend)
+                state_dict["state"][index] = {**state_dict["state"][index], **views}
         return state_dict
 
     @_on_the_optimizer
@@ -818,7 +820,9 @@ class OffloadAdamW(torch.optim.AdamW):
         Moments are copied straight into host buffers as fp32 (never through the device, never
         cast to a bf16 parameter's dtype). When every parameter keeps its layout they are
         written into the current buffers, so the state is never held twice (a distributed
-        checkpoint loaded into this optimizer's own ``state_dict()`` costs no copy at all).
+        checkpoint loaded into this optimizer's own ``state_dict()`` costs no copy at all),
+        unless tensors of an earlier ``state_dict()`` are alive elsewhere: as with torch's,
+        those keep what they held.
         State keys may be ints or parameter names, as long as the param groups list the same
         keys. For DTensor parameters each rank keeps its shard of DTensors sharded like the
         parameter, of replicated DTensors and of full tensors; other shardings are refused on
@@ -896,12 +900,14 @@ class OffloadAdamW(torch.optim.AdamW):
         anything of this optimizer changes.
 
         The current buffers are written in place, after ``then``, when every parameter keeps its
-        layout and no source overlaps another parameter's buffers: the state is then never held
-        twice. Else new buffers are filled before ``then`` runs. A failure before the in-place
-        writes leaves everything as it was; one during them leaves a mix, so the optimizer
-        refuses to step until the next load. Afterwards the entries' ``optimizer.state`` holds
-        their step counts, as float32 host copies, and :class:`Offloaded` marks; ``replace``
-        drops every other slot.
+        layout, no source overlaps another parameter's buffers and no view an earlier
+        ``state_dict()`` lent is alive other than as a source: the state is then never held
+        twice. Else new buffers are filled before ``then`` runs (as torch's load gives new
+        tensors, leaving what its earlier ``state_dict()`` returned as it was). A failure
+        before the in-place writes leaves everything as it was; one during them leaves a mix,
+        so the optimizer refuses to step until the next load. Afterwards the entries'
+        ``optimizer.state`` holds their step counts, as float32 host copies, and
+        :class:`Offloaded` marks; ``replace`` drops every other slot.
         """
         self._wait_host()  # the sources may be views of this optimizer's own buffers
         if replace:  # a load (adopted entries keep their own master copies as they are)
@@ -911,7 +917,12 @@ class OffloadAdamW(torch.optim.AdamW):
         whole = not replace or len(requests) == len(self._host.slots)
         slots = self._host.reusable(requests) if whole else None
         copies = self._loaded_copies(matched, slots) if slots is not None else None
-        if copies is None or any(self._host.overlaps(src) for _, src in copies):
+        loaded = (tensor for m in matched for tensor in m.local.values())
+        if (
+            copies is None
+            or self._host.lent_beyond(loaded)
+            or any(self._host.overlaps(src) for _, src in copies)
+        ):
             slots = self._host.allocate(requests)
             _copy_all(self._loaded_copies(matched, slots))
             copies = []
@@ -1135,10 +1146,14 @@ def _rounds_to(master: Tensor, param: Tensor) -> bool:
     return bool(((rounded == param) | (rounded.isnan() & param.isnan())).all())
 
 
-def _views(param: Tensor, slot: Slot) -> dict[str, Tensor]:
+def _views(
+    param: Tensor, slot: Slot, lend: Callable[[Tensor], Tensor] = lambda view: view
+) -> dict[str, Tensor]:
     """``param``'s state by key: views of the host buffers shaped like the parameter (for a
-    DTensor parameter, DTensors like it over this rank's shards)."""
-    return {key: like_param(param, slot.layout.unflat(slot.view(key))) for key in slot.arena.keys}
+    DTensor parameter, DTensors like it over this rank's shards), each passed through ``lend``."""
+    return {
+        key: like_param(param, lend(slot.layout.unflat(slot.view(key)))) for key in slot.arena.keys
+    }
 
 
 def _written_by_others(entry: dict[str, Any]) -> bool:

@@ -20,7 +20,7 @@ import contextlib
 import mmap
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +138,24 @@ def host_empty(numel: int, dtype: torch.dtype) -> Tensor:
     device is named: a default device set by the user (``torch.set_default_device("cuda")``)
     must not take the state off the host."""
     return torch.empty(numel, dtype=dtype, device="cpu")
+
+
+def own_storage_view(view: Tensor) -> Tensor:
+    """The same memory as ``view`` in a tensor whose storage is just the span it covers (a
+    storage slice, which keeps the parent buffer alive).
+
+    pickle, and ``torch.save`` of one tensor, write a tensor's whole storage: a view of a
+    buffer shared by many parameters would write the buffer once per view. torch 2.13 also
+    cannot deep-copy or ``torch.save`` a DTensor whose local tensor has a storage offset.
+    """
+    if view.numel() == 0:
+        return view.new_empty(view.shape)
+    offset, itemsize = view.storage_offset(), view.element_size()
+    span = 1 + sum(
+        (size - 1) * stride for size, stride in zip(view.shape, view.stride(), strict=True)
+    )
+    storage = view.untyped_storage()[offset * itemsize : (offset + span) * itemsize]
+    return view.new_empty(0).set_(storage, 0, view.shape, view.stride())
 
 
 class PinningError(RuntimeError):
@@ -380,6 +398,7 @@ class HostState:
         self.pin_failed = False
         self.slots: dict[Tensor, Slot] = {}
         self.arenas: list[Arena] = []
+        self._lent: weakref.WeakSet = weakref.WeakSet()  # storages of views state_dict() lent
 
     def allocate(self, requests: Sequence[tuple[Tensor, tuple[str, ...]]]) -> dict[Tensor, Slot]:
         """Lay out new parameters, one arena per kind; contents undefined.
@@ -429,6 +448,21 @@ class HostState:
                 return None
             found[param] = slot
         return found
+
+    def lend(self, view: Tensor) -> Tensor:
+        """``view`` as handed out by ``state_dict()``: with a storage of its own, remembered for
+        as long as it (or any view of it) lives."""
+        lent = own_storage_view(view)
+        if lent.numel():
+            self._lent.add(lent.untyped_storage())
+        return lent
+
+    def lent_beyond(self, sources: Iterable[Tensor]) -> bool:
+        """Whether views lent earlier are alive other than as ``sources`` (what is being
+        loaded): writing the buffers in place would change what they hold, which torch's load,
+        giving the optimizer new tensors, never does to its earlier ``state_dict()``."""
+        lent = {storage.data_ptr() for storage in self._lent}
+        return bool(lent - {source.untyped_storage().data_ptr() for source in sources})
 
     def overlaps(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` shares memory with any of the host buffers."""

@@ -99,26 +99,6 @@ def refuse_fsdp1(param: Tensor, position: int) -> None:
         )
 
 
-def _own_span_alias(view: Tensor) -> Tensor:
-    """The same memory as ``view`` in a tensor whose storage is just the span it covers.
-
-    torch 2.13 cannot deep-copy or ``torch.save`` a DTensor whose local tensor has a storage
-    offset ("invalid python storage"), and ``torch.save`` writes a local tensor's whole storage:
-    a view at offset 0 of a host buffer would write the buffer again beside every other view's
-    span. A storage slice of the span alone keeps the parent buffer alive.
-    """
-    if view.numel() == 0:
-        return view.new_empty(view.shape)
-    offset, itemsize = view.storage_offset(), view.element_size()
-    span = 1 + sum(
-        (size - 1) * stride for size, stride in zip(view.shape, view.stride(), strict=True)
-    )
-    if offset == 0 and span * itemsize == view.untyped_storage().nbytes():
-        return view
-    storage = view.untyped_storage()[offset * itemsize : (offset + span) * itemsize]
-    return view.new_empty(0).set_(storage, 0, view.shape, view.stride())
-
-
 def like_param(param: Tensor, state: Tensor) -> Tensor:
     """``state`` (host memory shaped like ``param``'s local shard) as ``param`` is: a DTensor
     over the same mesh and placements, with the global shape and stride, viewing ``state``.
@@ -130,7 +110,7 @@ def like_param(param: Tensor, state: Tensor) -> Tensor:
         return state
     meta = TensorMeta(param.shape, param.stride(), state.dtype)
     spec = dataclasses.replace(param._spec, tensor_meta=meta)
-    return DTensor(_own_span_alias(state), spec, requires_grad=False)
+    return DTensor(state, spec, requires_grad=False)
 
 
 def _local_slice(full: Tensor, param: Tensor) -> Tensor:

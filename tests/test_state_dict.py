@@ -388,6 +388,65 @@ def test_load_with_the_same_layout_writes_into_the_current_buffers():
     assert_same(params, reference_params)
 
 
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_each_state_tensor_pickles_as_its_own_parameters_state_alone(mode, dtype):
+    """Plain pickle (``broadcast_object_list``, multiprocessing) writes every tensor's whole
+    storage, one tensor at a time: views of buffers shared by all parameters made a dict pickle
+    to the buffers' size times the parameters'. Against the bytes of the state itself, and a
+    single entry saved alone against a clone of it."""
+    params = make_params(dtype=dtype)
+    ours = OffloadAdamW(params, lr=0.01, **mode)
+    step_together([ours], [params], torch.Generator().manual_seed(19), 2)
+    saved = ours.state_dict()
+    tensors = [t for entry in saved["state"].values() for t in entry.values()]
+    payload = sum(t.numel() * t.element_size() for t in tensors)
+    assert len(pickle.dumps(saved)) < 1.1 * payload + 16384
+    unpickled = pickle.loads(pickle.dumps(saved))
+    for index, entry in saved["state"].items():
+        assert_same(list(unpickled["state"][index].values()), list(entry.values()))
+    sizes = []
+    for tensor in (saved["state"][1]["exp_avg"], saved["state"][1]["exp_avg"].clone()):
+        alone = io.BytesIO()
+        torch.save(tensor, alone)
+        sizes.append(alone.tell())
+    assert sizes[0] == sizes[1]
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("held", ["dict", "one slice"])
+def test_a_load_leaves_an_earlier_state_dict_as_it_was(mode, held):
+    """torch's load gives the optimizer new state tensors, so a ``state_dict()`` taken before
+    (not cloned) still holds the state it had: loading another state and then that snapshot rolls
+    back. Loading in place into the buffers the snapshot views changed it with the other
+    state's moments (not its step counts), and the rollback silently mixed the two. Checked
+    against torch AdamW doing the same, also when only a slice of one moment is kept."""
+    params, other_params = make_params(), make_params(seed=1)
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=0.01, **mode)
+    torchs = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(20)
+    step_together([ours, torchs], [params, reference], generator, 2)
+    other = torch.optim.AdamW(other_params, lr=0.01, fused=True)
+    step_together([other], [other_params], torch.Generator().manual_seed(21), 3)
+    other_state = save_and_load(other.state_dict())
+    snapshots = [ours.state_dict(), torchs.state_dict()]
+    if held == "one slice":
+        kept = [s["state"][3]["exp_avg_sq"][2:5] for s in snapshots]
+        before = kept[0].clone()
+        snapshots = [None, None]
+    for optimizer in (ours, torchs):
+        optimizer.load_state_dict(other_state)
+    if held == "one slice":
+        assert_same([kept[0]], [before])
+        assert_same([kept[0]], [kept[1]])
+        return
+    for optimizer, snapshot in zip((ours, torchs), snapshots, strict=True):
+        optimizer.load_state_dict(snapshot)
+    step_together([ours, torchs], [params, reference], generator, 2)
+    assert_same(params, reference)
+
+
 def test_loaded_step_counts_are_not_shared_with_the_loaded_dict():
     """Steps advance in place: aliasing the dict's tensors would advance another optimizer's."""
     params = make_params()
