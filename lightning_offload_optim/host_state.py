@@ -202,14 +202,19 @@ def registered_empty(
     moved it off the page the device reads), which for gigabytes of state per worker would
     exhaust the host. Ranges of :data:`MAX_REGISTRATION_BYTES` or more are registered in
     pieces. Returns the buffer and the registered pointers; raises :class:`PinningError` naming
-    the error (nothing stays registered then).
+    the error, also where the host refuses to keep the pages out of forks (nothing stays
+    registered then).
     """
     nbytes = numel * dtype.itemsize
     rounded = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
     private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # not Windows
     mapping = mmap.mmap(-1, rounded, **private)
     if hasattr(mmap, "MADV_DONTFORK"):  # Linux
-        mapping.madvise(mmap.MADV_DONTFORK)
+        try:
+            mapping.madvise(mmap.MADV_DONTFORK)
+        except OSError as error:  # a sandbox without it: pinned pages would be copied at fork
+            mapping.close()
+            raise PinningError(f"madvise(MADV_DONTFORK) failed: {error}") from error
     pages = torch.frombuffer(mapping, dtype=torch.uint8)
     registered: list[int] = []
     for offset in range(0, rounded, MAX_REGISTRATION_BYTES):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import itertools
+import mmap
 import os
 import random
 import warnings
@@ -14,6 +15,7 @@ import torch
 from conftest import (
     assert_same,
     assert_state_offloaded,
+    clone_params,
     forked_child_memory_map,
     make_params,
     overlapped_pair,
@@ -376,6 +378,33 @@ def test_pinning_failure_warns_once_across_loads(monkeypatch):
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         step_together([opt], [params], torch.Generator().manual_seed(1), 1)
     assert sum("could not pin host memory" in str(w.message) for w in warned) == 1
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_DONTFORK"), reason="Linux only")
+def test_a_host_refusing_to_keep_pinned_pages_out_of_forks_falls_back_to_pageable(monkeypatch):
+    """A kernel or sandbox that refuses madvise(MADV_DONTFORK) is a refusal to pin, not a
+    crash: nothing is registered, the optimizer warns once, keeps its state pageable and steps
+    as torch AdamW does (an advice value no kernel knows stands in for the refusal)."""
+    from lightning_offload_optim import host_state
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    registered = []
+    monkeypatch.setattr(
+        host_state,
+        "_pinned_empty",
+        lambda numel, dtype, device: host_state.registered_empty(
+            numel, dtype, lambda p, n: registered.append(p) or 0
+        ),
+    )
+    monkeypatch.setattr(host_state.mmap, "MADV_DONTFORK", 12345)
+    params = make_params()
+    reference = clone_params(params)
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64, pin_memory=True)
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    with pytest.warns(UserWarning, match="could not pin host memory.*madvise"):
+        step_together([opt, torch_opt], [params, reference], torch.Generator().manual_seed(2), 2)
+    assert not registered and opt.memory_stats()["pinned"] is False
+    assert_same(params, reference)
 
 
 def test_host_out_of_memory_is_not_taken_for_a_pinning_failure(monkeypatch):
