@@ -309,14 +309,16 @@ class OffloadAdamW(torch.optim.AdamW):
             check_hyperparameters(
                 self.defaults | param_group, f"param group {len(self.param_groups)}"
             )
-        if isinstance(params, Tensor):
-            refuse_fsdp1(params, 0)
-        elif params is not None and not isinstance(params, set):
+        group = len(self.param_groups)
+        if isinstance(params, Tensor) and self.enabled:
+            refuse_fsdp1(params, f"parameter 0 of param group {group}")
+        elif params is not None and not isinstance(params, (Tensor, set)):
             param_group["params"] = params = list(params)
             tensors = [p[1] if isinstance(p, tuple) else p for p in params]
             first: dict[int, int] = {}
             for position, param in enumerate(tensors):
-                refuse_fsdp1(param, position)
+                if self.enabled:  # disabled, it is torch's AdamW, which takes them
+                    refuse_fsdp1(param, f"parameter {position} of param group {group}")
                 if id(param) in first:
                     raise ValueError(
                         f"parameter {first[id(param)]} of the new param group is listed again "

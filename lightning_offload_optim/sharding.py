@@ -80,18 +80,19 @@ def check_same_sharding(param: Tensor, grad: Tensor, where: str) -> None:
     )
 
 
-def refuse_fsdp1(param: Tensor, position: int) -> None:
+def refuse_fsdp1(param: Tensor, where: str) -> None:
     """Refuse parameters managed by FSDP1 (``FullyShardedDataParallel``, Lightning's
     ``FSDPStrategy``), which marks them ``_fsdp_flattened``.
 
     FSDP1 flattens parameters into per-rank slices of a ``FlatParameter`` and converts optimizer
     state through its own ``optim_state_dict`` functions; Lightning runs it on GPUs only, so that
     path could not be checked against torch AdamW here. FSDP2 shards parameters as DTensors,
-    which this optimizer supports and which PyTorch recommends over FSDP1.
+    which this optimizer supports and which PyTorch recommends over FSDP1. ``where`` names the
+    parameter in the error.
     """
     if getattr(param, "_fsdp_flattened", False):
         raise ValueError(
-            f"parameter {position} of the new param group is managed by FSDP1 "
+            f"{where} is managed by FSDP1 "
             "(FullyShardedDataParallel / Lightning's FSDPStrategy), which OffloadAdamW does not "
             "support. Shard with FSDP2 instead: torch.distributed.fsdp.fully_shard, or in "
             "Lightning ModelParallelStrategy with fully_shard in configure_model "

@@ -693,9 +693,21 @@ def test_fsdp1_parameters_are_refused_with_the_way_out(tmp_path, use_orig_params
         with pytest.raises(ValueError, match=r"FSDP1.*fully_shard.*ModelParallelStrategy"):
             OffloadAdamW(model.parameters())
         opt = OffloadAdamW([torch.nn.Parameter(torch.zeros(2))])
-        with pytest.raises(ValueError, match="FSDP1"):  # a lone tensor, not in a list
-            opt.add_param_group({"params": next(model.parameters())})
+        with pytest.raises(ValueError, match=r"parameter 0 of param group 1 .*FSDP1"):  # a lone
+            opt.add_param_group({"params": next(model.parameters())})  # tensor, not in a list
+        with pytest.raises(ValueError, match=r"parameter 0 of param group 1 .*FSDP1"):
+            opt.add_param_group({"params": list(model.parameters())})
         assert len(opt.param_groups) == 1
+        # Disabled, it is torch's AdamW (offload_enabled=False in the mixin), which takes them.
+        reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        disabled = OffloadAdamW(model.parameters(), lr=0.1, enabled=False)
+        torch_opt = torch.optim.AdamW(reference, lr=0.1)
+        for p, r in zip(model.parameters(), reference, strict=True):
+            p.grad = torch.ones_like(p)
+            r.grad = torch.ones_like(r)
+        disabled.step()
+        torch_opt.step()
+        assert_same(list(model.parameters()), reference)
     finally:
         dist.destroy_process_group()
 
