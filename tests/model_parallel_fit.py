@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning_models import TinyModel, trainer
-from torch.distributed.fsdp import fully_shard
+from lightning_models import TinyModel, make_data, trainer
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadMonitor
 
@@ -26,10 +27,16 @@ STEPS = 4
 
 class ShardedModel(TinyModel):
     def configure_model(self) -> None:
+        if isinstance(self.net, FSDPModule):  # validate() after fit() calls this again
+            return
         mesh = self.device_mesh["data_parallel"]
         for layer in (self.net[0], self.net[3]):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x).float(), y.float()))
 
 
 def strategy(distributed: bool) -> ModelParallelStrategy:
@@ -73,12 +80,16 @@ def run(out: Path, optimizer: str, distributed: bool, common: dict[str, Any]) ->
         **common,
     )
     again.fit(resumed, ckpt_path=out / f"ckpt-{name}" / "step=2.ckpt")
+    resumed_params = full(resumed)
+    # As the docs' configure_model: validate after fit (configure_model runs again).
+    (validated,) = again.validate(resumed, DataLoader(make_data(), batch_size=4), verbose=False)
     logged = {k: float(v) for k, v in fit.logged_metrics.items() if k.startswith("offload/")}
     optim = resumed.trainer.optimizers[0]
     return {
         "initial": initial,
         "params": full(model),
-        "resumed": full(resumed),
+        "resumed": resumed_params,
+        "val_loss": validated["val_loss"],
         "logged": logged,
         "totals": (dict(monitor.totals), dict(resumed_monitor.totals)),
         "state_bytes": optim.memory_stats()["state_bytes"] if optimizer == "offload" else 0,

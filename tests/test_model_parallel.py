@@ -28,6 +28,7 @@ def test_fit_and_resume_bit_identical_to_torch_adamw(ranks, distributed):
         assert_same(ours["params"], reference["params"])
         assert_same(ours["resumed"], reference["resumed"])
         assert_same(ours["resumed"], ours["params"])  # resuming changed nothing
+        assert ours["val_loss"] == reference["val_loss"]  # validate() after fit() works
 
 
 def test_monitor_reports_host_bytes_per_rank_and_summed(ranks):
