@@ -19,7 +19,8 @@ host memory without ``non_blocking=True`` (a synchronous copy) or returns a Pyth
 Accesses are recorded per storage address. An op's fresh output starts a new history; so does any
 access through a storage other than the one that last used the address: memory is also allocated
 where no op output shows it (FSDP2 regrows parameter storage with ``untyped_storage().resize_()``),
-and the CPU's malloc hands freed memory out again at once.
+and the CPU's malloc hands freed memory out again at once. A storage over part of a live host
+buffer (a storage slice, as ``state_dict()`` lends) is that buffer, at its offset.
 
 The caching allocator is simulated where it frees and allocates: a device storage belongs to the
 stream current when it was allocated, which may reuse its memory as soon as it is freed, for its
@@ -31,6 +32,7 @@ it is ordered before it (an event the allocating stream waited for, or the host 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import time
@@ -200,8 +202,9 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-#: Ops that read no data: views, and the storage-size check of compiled graphs' inputs.
-_NO_DATA = {"detach", "alias", "_unsafe_view", "lift_fresh", "_has_same_storage_numel"}
+#: Ops that read no data: views, ``set_`` (which points a tensor at memory, as a view does),
+#: and the storage-size check of compiled graphs' inputs.
+_NO_DATA = {"detach", "alias", "_unsafe_view", "lift_fresh", "_has_same_storage_numel", "set_"}
 _SCHEMAS: dict[Any, tuple[str, bool, list[tuple[str, bool]]]] = {}
 
 
@@ -232,6 +235,9 @@ class StreamChecker:
         self.current = self.compute
         self.host: Clock = {HOST: 0}
         self.host_storages: set[int] = set()
+        #: The host buffers' addresses, sorted, and per address its size and storage.
+        self.host_starts: list[int] = []
+        self.host_buffers: dict[int, tuple[int, StorageWeakRef]] = {}
         self.history: dict[int, list[Access]] = {}
         self.owners: dict[int, StorageWeakRef] = {}  # per address, the storage last seen there
         #: Per device storage address: the stream that allocated it, the streams named by
@@ -261,8 +267,12 @@ class StreamChecker:
 
         def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
             buffer = real_host_empty(numel, dtype)
-            key = self._claim(buffer.untyped_storage())
+            storage = buffer.untyped_storage()
+            key = self._claim(storage)
             self.host_storages.add(key)
+            if key not in self.host_buffers:
+                bisect.insort(self.host_starts, key)
+            self.host_buffers[key] = (storage.nbytes(), StorageWeakRef(storage))
             self.history.pop(key, None)  # fresh host memory: no earlier users
             return buffer
 
@@ -337,9 +347,29 @@ class StreamChecker:
         if not on_host and (blocking or returns_value):
             self.host = _join(self.host, clock)  # the host waits for this op
 
+    def _host_alias(self, storage: torch.UntypedStorage) -> tuple[int, int] | None:
+        """(address, byte offset) of the live host buffer whose memory ``storage``, another
+        storage object than the buffer's, lies in; None if there is none."""
+        pointer = storage.data_ptr()
+        index = bisect.bisect_right(self.host_starts, pointer) - 1
+        if index < 0:
+            return None
+        key = self.host_starts[index]
+        nbytes, owner = self.host_buffers[key]
+        if pointer >= key + nbytes or owner.expired() or owner.cdata == storage._cdata:
+            return None
+        return key, pointer - key
+
+    def _resolve(self, storage: torch.UntypedStorage) -> tuple[int, int]:
+        """The address whose history ``storage``'s accesses go to, and their byte offset."""
+        return self._host_alias(storage) or (storage.data_ptr(), 0)
+
     def _claim(self, storage: torch.UntypedStorage) -> int:
         """The address of ``storage``; if another storage used it last (since freed, or moved
-        by a resize), what that one did is forgotten: the memory was allocated anew."""
+        by a resize), what that one did is forgotten: the memory was allocated anew. A slice
+        of a live host buffer is that buffer."""
+        if (alias := self._host_alias(storage)) is not None:
+            return alias[0]
         key = storage.data_ptr()
         owner = self.owners.get(key)
         if owner is None or owner.expired() or owner.cdata != storage._cdata:
@@ -392,7 +422,7 @@ class StreamChecker:
                 self.violations.append(f"{what}, which came before that use was done")
 
     def _is_host(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() in self.host_storages
+        return self._resolve(tensor.untyped_storage())[0] in self.host_storages
 
     def _access(
         self, tensor: torch.Tensor, write: bool, actor: int, clock: Clock, what: str
@@ -401,10 +431,10 @@ class StreamChecker:
             return
         size = tensor.element_size()
         extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
-        start = tensor.storage_offset() * size
-        stop = start + extent * size
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        key, base = self._resolve(storage)
+        start = base + tensor.storage_offset() * size
+        stop = start + extent * size
         history = self.history.setdefault(key, [])
         host = key in self.host_storages
         kind = "host buffer" if host else "device memory"

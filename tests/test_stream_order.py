@@ -286,3 +286,29 @@ def test_pipeline_as_written_is_ordered(monkeypatch):
 def test_checker_fails_without_each_ordering_step(label, source, monkeypatch):
     violations = run_checked(load_pipeline(source), monkeypatch)
     assert violations, f"removing {label} went unnoticed"
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+@pytest.mark.parametrize("offset", [0, 64], ids=["at-the-start", "inside"])
+def test_accesses_through_a_slice_of_a_host_buffer_are_the_buffers(offset):
+    """``state_dict()`` lends views whose storages are slices of the host buffers. An access
+    through one is an access of the buffer at its offset: taken for a new storage at a used
+    address, it made the checker forget the buffer's history (a load's in-place writes then
+    went unchecked, and removing ``wait_host``'s wait for queued copy-ins went unnoticed)."""
+    from lightning_offload_optim import host_state, streams
+
+    with StreamChecker() as checker:
+        buffer = host_state.host_empty(128, torch.float32)
+        side = streams.device_module(torch.device("cpu")).Stream()
+        with torch.cpu.stream(side):
+            torch.empty(32).copy_(buffer[offset : offset + 32], non_blocking=True)  # reading
+        host_state.own_storage_view(buffer[offset + 8 : offset + 16]).fill_(1.0)
+    assert len(checker.violations) == 1 and "writes host buffer" in checker.violations[0]
+    with StreamChecker() as checker:  # ordered by the host's wait, nothing is reported
+        buffer = host_state.host_empty(128, torch.float32)
+        side = streams.device_module(torch.device("cpu")).Stream()
+        with torch.cpu.stream(side):
+            torch.empty(32).copy_(buffer[offset : offset + 32], non_blocking=True)
+        side.record_event().synchronize()
+        host_state.own_storage_view(buffer[offset + 8 : offset + 16]).fill_(1.0)
+    assert checker.violations == []
