@@ -101,6 +101,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
     },
 }
+#: The most chunks per rank and step a plan cuts (it plans them one by one, as the optimizer
+#: does; at the default chunk_size, 17 trillion parameters per rank).
+MAX_PLANNED_CHUNKS = 1 << 22
+#: Hugging Face ``model_type`` values laid out as Llama (Mixtral with an MLP per expert).
+_LLAMA_LAYOUTS = ("llama", "mistral", "mixtral")
 _REQUIRED_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -372,9 +377,19 @@ def _config_value(config: Any, key: str) -> Any:
 
 
 def _from_config(config: Any, name: str, dtype: torch.dtype) -> _Model:
-    """The parameters of a Llama-layout decoder (Llama, Mistral and alike), as Hugging Face
-    lays them out: embeddings, per layer q/k/v/o and gate/up/down projections and two norms,
-    a final norm, and an output head unless tied to the embeddings."""
+    """The parameters of a Llama-layout decoder (Llama, Mistral, Mixtral), as Hugging Face
+    lays them out: embeddings, per layer q/k/v/o and gate/up/down projections (Mixtral: a
+    router and that MLP per expert) and two norms, a final norm, and an output head unless
+    tied to the embeddings. Other architectures are refused: read as this layout they would
+    be miscounted (GPT-NeoX has two MLP matrices, not three)."""
+    model_type = _config_value(config, "model_type")
+    if model_type is not None and model_type not in _LLAMA_LAYOUTS:
+        raise ValueError(
+            f"config {name} is a {model_type!r} model; the planner reads the Llama layout "
+            f"({', '.join(_LLAMA_LAYOUTS)}) only. Plan the model itself, built on the meta "
+            "device (with torch.device('meta'): model = AutoModelForCausalLM.from_config("
+            "config); plan(model)), or its parameter count"
+        )
     missing = [key for key in _REQUIRED_KEYS if _config_value(config, key) is None]
     if missing:
         raise ValueError(
@@ -390,7 +405,8 @@ def _from_config(config: Any, name: str, dtype: torch.dtype) -> _Model:
 
     kv_heads = optional("num_key_value_heads", heads)
     head_dim = optional("head_dim", hidden // heads if heads > 0 else 0)
-    if min(vocab, hidden, inter, layers, heads, kv_heads, head_dim) < 1:
+    experts = optional("num_local_experts", 0)  # Mixtral's
+    if min(vocab, hidden, inter, layers, heads, kv_heads, head_dim) < 1 or experts < 0:
         raise ValueError(f"config {name} has a size below 1")
     attention_bias = bool(_config_value(config, "attention_bias"))
     mlp_bias = bool(_config_value(config, "mlp_bias"))
@@ -399,14 +415,16 @@ def _from_config(config: Any, name: str, dtype: torch.dtype) -> _Model:
         weight = _Param((out_features, in_features), dtype)
         return [weight, _Param((out_features,), dtype)] if bias else [weight]
 
+    gate, up, down = (
+        linear(*shape, mlp_bias) for shape in ((inter, hidden),) * 2 + ((hidden, inter),)
+    )
+    mlp = [*gate, *down, *up] if experts else [*gate, *up, *down]  # Mixtral's w1, w2, w3
     layer = [
         *linear(heads * head_dim, hidden, attention_bias),
         *linear(kv_heads * head_dim, hidden, attention_bias),
         *linear(kv_heads * head_dim, hidden, attention_bias),
         *linear(hidden, heads * head_dim, attention_bias),
-        *linear(inter, hidden, mlp_bias),
-        *linear(inter, hidden, mlp_bias),
-        *linear(hidden, inter, mlp_bias),
+        *([_Param((experts, hidden), dtype), *mlp * experts] if experts else mlp),
         _Param((hidden,), dtype),
         _Param((hidden,), dtype),
     ]
@@ -506,9 +524,14 @@ def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:
             path = path / "config.json"
         if not path.is_file():
             raise ValueError(
-                f"{str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json"
+                f"{str(model)!r} is neither a parameter count (7e9), a preset "
+                f"({', '.join(PRESETS)}) nor a config.json"
             )
-        return _from_config(json.loads(path.read_text()), str(path), dtype)
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON: {error}") from None
+        return _from_config(config, str(path), dtype)
     return _from_config(model, type(model).__name__, dtype)
 
 
@@ -706,10 +729,11 @@ def plan(
     Args:
         model: a parameter count (an int, or a whole float such as ``7e9``); a preset
             (``"7b"``, ``"13b"``, ``"70b"``: Llama-2); a Hugging Face config of the Llama
-            layout, as a dict, an object with attributes, or a path to its ``config.json`` (or
-            folder); or an ``nn.Module``, on any device (meta included), whose parameters with
-            ``requires_grad`` are trained (an ``OffloadOptimizerMixin``'s in its param groups'
-            order, as its optimizer lays them out).
+            layout (Llama, Mistral, Mixtral), as a dict, an object with attributes, or a path
+            to its ``config.json`` (or folder); or an ``nn.Module``, on any device (meta
+            included), whose parameters with ``requires_grad`` are trained (an
+            ``OffloadOptimizerMixin``'s in its param groups' order, as its optimizer lays
+            them out).
         precision: a Lightning precision; it sets the dtype of floating-point parameters
             (``"*-mixed"`` and ``"32-true"`` keep them fp32). ``None``: a module's own dtypes,
             else ``"32-true"``.
@@ -793,6 +817,14 @@ def plan(
 
     sharded = strategy == "fsdp2"
     shards = gpus * nodes if sharded else 1
+    per_rank_trained = sum(p.numel for p in params if p.trainable) // shards
+    if per_rank_trained // bound > MAX_PLANNED_CHUNKS:  # planned one by one, as the optimizer
+        raise ValueError(
+            f"chunk_size {bound:,} cuts a rank's {per_rank_trained:,} trained parameters into "
+            f"about {per_rank_trained // bound:,} chunks per step, more than the "
+            f"{MAX_PLANNED_CHUNKS:,} planned: each chunk queues a few device operations, so "
+            f"the step would mostly launch them. Raise chunk_size (default {DEFAULT_CHUNK_SIZE:,})"
+        )
     per_rank = [
         _rank_usages(
             params,
@@ -859,37 +891,58 @@ _UNITS = {"": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+_SIZE = re.compile(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([kmgt]i?b)?\s*")
+#: A size without a unit below this is refused: ``--gpu-memory 80`` means 80 GB, not bytes.
+_SMALLEST_BARE_SIZE = 2**20
+
+
 def _parse_bytes(text: str) -> int:
-    number = r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?"
-    match = re.fullmatch(rf"\s*({number})\s*([kmgt]i?b)?\s*", text.lower())
+    """A size: a number of bytes (``8e10``, at least 1 MiB) or one with a unit (``80GB``)."""
+    match = _SIZE.fullmatch(text.lower())
     if match is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (say 80GB, 141GiB or 8e10)")
-    return int(float(match[1]) * _UNITS[match[2] or ""])
+    size = float(match[1]) * _UNITS[match[2] or ""]
+    if not math.isfinite(size) or size >= 2**63:
+        raise argparse.ArgumentTypeError(f"size {text!r} is too large")
+    if match[2] is None and 0 < size < _SMALLEST_BARE_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} would be {int(size)} byte(s): give the size with its unit (say 80GB)"
+        )
+    return int(size)
 
 
 def _parse_resident(text: str) -> float | int | str:
-    """``auto``, a share (``0.5``, ``50%``) or a size (``20GB``, ``2e10``), as ``resident``.
-    A bare number below 1024 is refused: ``1`` is one byte, and more likely meant all."""
+    """``auto``, a share (``0.5``, ``50%``: a bare number up to 1, not a whole one) or a size
+    (``20GB``, ``2.5GB``, ``2e10``), as ``resident``. A bare whole number below 1024 is
+    refused: ``1`` is one byte, and more likely meant all."""
     text = text.strip().lower()
     hint = "say auto, a share such as 0.5 or 50%, or a size such as 20GB"
     if text == "auto":
         return text
     try:
-        if text.endswith("%"):
-            return float(text[:-1]) / 100
-        if "." in text or "e-" in text:  # a share has a decimal point (or is below 1)
-            return float(text)
-        size = _parse_bytes(text)
-    except (ValueError, argparse.ArgumentTypeError):
+        share = float(text[:-1]) / 100 if text.endswith("%") else None
+        value = float(text) if share is None and not text.rstrip().endswith("b") else None
+    except ValueError:
         raise argparse.ArgumentTypeError(
             f"not a resident share or size: {text!r} ({hint})"
         ) from None
-    if 0 < size < 1024 and text.isdigit():
+    if share is not None:
+        return share
+    if value is None:  # with a unit
+        return _parse_bytes(text)
+    if value <= 1 and not text.isdigit():
+        return value  # a share: negative ones are refused, named, by plan()
+    if value.is_integer() and 0 < value < 1024:
         raise argparse.ArgumentTypeError(
-            f"resident {text} would be {size} byte(s): write a share with its decimal point "
-            "(1.0 is all of the state) or as a percentage, or a size with its unit"
+            f"resident {text} would be {int(value)} byte(s): write a share with its decimal "
+            "point (1.0 is all of the state) or as a percentage, or a size with its unit"
         )
-    return size
+    if not value.is_integer() or value >= 2**63:
+        raise argparse.ArgumentTypeError(
+            f"resident {text} is neither a share (at most 1.0, which is all of the state) nor "
+            "a whole number of bytes"
+        )
+    return int(value)
 
 
 def _parse_model(text: str) -> int | str:
@@ -901,6 +954,14 @@ def _parse_model(text: str) -> int | str:
     if not number.is_integer():
         raise argparse.ArgumentTypeError(f"a parameter count must be whole, got {text!r}")
     return int(number)
+
+
+def _parse_count(text: str) -> int:
+    """A parameter count, as the model argument takes one (``2e8``, ``200_000_000``)."""
+    count = _parse_model(text)
+    if isinstance(count, str):
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (say 2e8)")
+    return count
 
 
 def main(argv: Sequence[str] | None = None) -> MemoryPlan:
@@ -932,7 +993,9 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
         "--no-pin-memory", dest="pin_memory", action="store_false", help="pageable host state"
     )
     parser.add_argument(
-        "--unit-params", type=int, help="parameters of one FSDP2 unit (for a parameter count)"
+        "--unit-params",
+        type=_parse_count,
+        help="parameters of one FSDP2 unit (for a parameter count), say 2e8",
     )
     parser.add_argument(
         "--gpu-memory", type=_parse_bytes, help="memory of one GPU (default: this machine's)"

@@ -85,6 +85,44 @@ class TinyLlama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
 
+class TinyMixtral(nn.Module):
+    """Hugging Face's Mixtral layout, written out by hand: Llama's attention, then a router
+    and an MLP (w1, w2, w3) per expert."""
+
+    def __init__(self, c: dict) -> None:
+        super().__init__()
+        hidden, inter, experts = c["hidden_size"], c["intermediate_size"], c["num_local_experts"]
+        kv = c["num_key_value_heads"] * hidden // c["num_attention_heads"]
+
+        def expert() -> nn.ModuleDict:
+            return nn.ModuleDict(
+                {
+                    "w1": nn.Linear(hidden, inter, bias=False),
+                    "w2": nn.Linear(inter, hidden, bias=False),
+                    "w3": nn.Linear(hidden, inter, bias=False),
+                }
+            )
+
+        self.embed_tokens = nn.Embedding(c["vocab_size"], hidden)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "q_proj": nn.Linear(hidden, hidden, bias=False),
+                    "k_proj": nn.Linear(hidden, kv, bias=False),
+                    "v_proj": nn.Linear(hidden, kv, bias=False),
+                    "o_proj": nn.Linear(hidden, hidden, bias=False),
+                    "gate": nn.Linear(hidden, experts, bias=False),
+                    "experts": nn.ModuleList(expert() for _ in range(experts)),
+                    "input_layernorm": nn.RMSNorm(hidden),
+                    "post_attention_layernorm": nn.RMSNorm(hidden),
+                }
+            )
+            for _ in range(c["num_hidden_layers"])
+        )
+        self.norm = nn.RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, c["vocab_size"], bias=False)
+
+
 def mixed_model() -> nn.Module:
     """Odd shapes (rows not multiples of anything), fp32 and bf16 parameters, one frozen."""
     model = nn.Sequential(
@@ -401,6 +439,32 @@ def test_meta_module_matches_its_config():
         assert from_module.adamw == from_config.adamw
 
 
+def test_a_mixtral_config_counts_an_mlp_per_expert():
+    """Read as Llama, a Mixtral config counted one MLP per layer (Mixtral-8x7B as 7.2B
+    parameters, not 46.7B). Against the layout written out by hand, and Mixtral-8x7B's
+    published count."""
+    config = {**TINY, "model_type": "mixtral", "num_local_experts": 3}
+    with torch.device("meta"):
+        module = TinyMixtral(config)
+    options = {"precision": "bf16-true", "gpus": 3, "strategy": "fsdp2", **MACHINE}
+    from_module, from_config = plan(module, **options), plan(config, **options)
+    assert from_module.parameters == from_config.parameters
+    assert from_module.unit_parameters == from_config.unit_parameters
+    assert from_module.offload == from_config.offload
+    assert from_module.adamw == from_config.adamw
+    mixtral_8x7b = {
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+    }
+    assert plan(mixtral_8x7b, **MACHINE).parameters == 46_702_792_704
+
+
 # ------------------------------------------------------------------ strategies
 def test_ddp_and_fsdp2_by_hand():
     mb = 10**6
@@ -569,7 +633,9 @@ def test_numpy_numbers_plan_as_the_python_ones():
         ({**TINY, "num_key_value_heads": 0}, {}, "has a size below 1"),
         ({**TINY, "head_dim": 0}, {}, "has a size below 1"),
         ({"vocab_size": 10, "hidden_size": 8}, {}, "lacks intermediate_size, num_hidden_layers"),
-        ("8b", {}, "neither a preset"),
+        ("8b", {}, r"neither a parameter count \(7e9\), a preset"),
+        ({**TINY, "model_type": "gpt_neox"}, {}, "a 'gpt_neox' model; the planner reads the Llama"),
+        (10**9, {"chunk_size": 64}, "into about 15,625,000 chunks per step, more than the"),
         (10, {"resident": -1}, "resident as a number of bytes must be >= 0"),
         (10, {"resident": 1.5}, r"resident as a share of the state must be in \[0, 1\]"),
         (10, {"resident": "auto", "gpu_memory": None}, "resident='auto' needs the GPU's memory"),
@@ -635,11 +701,35 @@ def test_cli_takes_counts_and_refuses_bad_input(capsys):
     assert "gpus must be an int of at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["7.5"])  # not truncated to 7 parameters
+    assert main(["7e9", "--unit-params", "1e6", "--gpu-memory", "8e+10"]).gpu_memory == 80 * GB
+    for option, text, message in (
+        ("--gpu-memory", "80", "'80' would be 80 byte(s): give the size with its unit"),
+        ("--host-memory", "1e400", "size '1e400' is too large"),  # not a traceback
+        ("--unit-params", "many", "not a parameter count: 'many'"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["7e9", option, text])
+        assert message in capsys.readouterr().err
+
+
+def test_cli_names_a_config_that_is_not_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{\n  'vocab_size': 10\n}")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path)])
+    assert f"{tmp_path / 'config.json'} is not valid JSON" in capsys.readouterr().err
 
 
 def test_cli_plans_resident_state_and_copy_times(capsys):
     common = ["7b", "--precision", "bf16-true", "--gpu-memory", "80GB", "--host-memory", "1TB"]
-    for text, value in (("50%", 0.5), ("0.5", 0.5), ("1.0", 1.0), ("20GB", 20 * GB)):
+    for text, value in (
+        ("50%", 0.5),
+        ("0.5", 0.5),
+        ("1.0", 1.0),
+        ("20GB", 20 * GB),
+        ("2.5GB", 25 * GB // 10),  # a size with a decimal point is a size, not a share
+        ("0.5GiB", 2**29),
+        ("1.5e10", 15 * GB),  # bytes, as --gpu-memory 8e10
+    ):
         assert main([*common, "--resident", text]).resident == value
     assert main([*common, "--resident", "1500"]).resident == 1500  # bytes, as an int in Python
     assert main([*common, "--resident", "0"]).resident == 0
@@ -661,6 +751,12 @@ def test_cli_plans_resident_state_and_copy_times(capsys):
     with pytest.raises(SystemExit):
         main([*common, "--resident", "half"])
     assert "not a resident share or size: 'half'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*common, "--resident", "2.5"])
+    assert "resident 2.5 is neither a share (at most 1.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*common, "--resident", "1e3"])  # as "1000": 1000 bytes
+    assert "resident 1e3 would be 1000 byte(s)" in capsys.readouterr().err
 
 
 def test_a_lazy_module_is_planned_once_a_forward_pass_has_given_its_shapes():
