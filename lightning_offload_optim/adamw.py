@@ -822,9 +822,9 @@ class OffloadAdamW(torch.optim.AdamW):
         Moments are copied straight into host buffers as fp32 (never through the device, never
         cast to a bf16 parameter's dtype). When every parameter keeps its layout they are
         written into the current buffers, so the state is never held twice (a distributed
-        checkpoint loaded into this optimizer's own ``state_dict()`` costs no copy at all),
-        unless tensors of an earlier ``state_dict()`` are alive elsewhere: as with torch's,
-        those keep what they held.
+        checkpoint loaded into this optimizer's own ``state_dict()`` costs no copy at all);
+        the tensors of an earlier ``state_dict()`` then show the loaded state, and loading
+        them again is refused (torch's would keep theirs: deep-copy one to keep it).
         State keys may be ints or parameter names, as long as the param groups list the same
         keys. For DTensor parameters each rank keeps its shard of DTensors sharded like the
         parameter, of replicated DTensors and of full tensors; other shardings are refused on
@@ -902,15 +902,25 @@ class OffloadAdamW(torch.optim.AdamW):
         anything of this optimizer changes.
 
         The current buffers are written in place, after ``then``, when every parameter keeps its
-        layout, no source overlaps another parameter's buffers and no view an earlier
-        ``state_dict()`` lent is alive other than as a source: the state is then never held
-        twice. Else new buffers are filled before ``then`` runs (as torch's load gives new
-        tensors, leaving what its earlier ``state_dict()`` returned as it was). A failure
-        before the in-place writes leaves everything as it was; one during them leaves a mix,
-        so the optimizer refuses to step until the next load. Afterwards the entries'
-        ``optimizer.state`` holds their step counts, as float32 host copies, and
-        :class:`Offloaded` marks; ``replace`` drops every other slot.
+        layout and no source overlaps another parameter's buffers: the state is then never held
+        twice. Else new buffers are filled before ``then`` runs. Views an earlier
+        ``state_dict()`` lent then show the loaded state: loading them again is refused, as
+        they no longer hold the moments of their own step counts. A failure before the in-place
+        writes leaves everything as it was; one during them leaves a mix, so the optimizer
+        refuses to step until the next load. Afterwards the entries' ``optimizer.state`` holds
+        their step counts, as float32 host copies, and :class:`Offloaded` marks; ``replace``
+        drops every other slot.
         """
+        for m in matched:
+            for key, tensor in m.local.items():
+                if self._host.was_written_over(tensor):
+                    raise ValueError(
+                        f"'{key}' for {describe(*self._place(m.param))} views this optimizer's "
+                        "host buffers as an earlier state_dict() returned them, and a "
+                        "load_state_dict() has written other state into them since (loads "
+                        "write in place, so the state is never held twice). Keep a state dict "
+                        "across a load as a copy: copy.deepcopy(optimizer.state_dict())"
+                    )
         self._wait_host()  # the sources may be views of this optimizer's own buffers
         if replace:  # a load (adopted entries keep their own master copies as they are)
             self._drop_stale_masters(matched)
@@ -919,12 +929,7 @@ class OffloadAdamW(torch.optim.AdamW):
         whole = not replace or len(requests) == len(self._host.slots)
         slots = self._host.reusable(requests) if whole else None
         copies = self._loaded_copies(matched, slots) if slots is not None else None
-        loaded = (tensor for m in matched for tensor in m.local.values())
-        if (
-            copies is None
-            or self._host.lent_beyond(loaded)
-            or any(self._host.overlaps(src) for _, src in copies)
-        ):
+        if copies is None or any(self._host.overlaps(src) for _, src in copies):
             slots = self._host.allocate(requests)
             _copy_all(self._loaded_copies(matched, slots))
             copies = []
@@ -932,6 +937,8 @@ class OffloadAdamW(torch.optim.AdamW):
             then()  # torch's own load first: it may still refuse, and leaves the buffers alone
             try:
                 self._pipeline.host_written()  # resident state is reloaded from the host
+                if copies:
+                    self._host.written_over(t for m in matched for t in m.local.values())
                 _copy_all(copies)
                 if replace:
                     self._host.replace(slots)
@@ -945,6 +952,13 @@ class OffloadAdamW(torch.optim.AdamW):
                 what = "load_state_dict()" if replace else "adopting state found in .state"
                 self._interrupted = f"{what} failed partway through writing it ({_name(error)})"
                 raise
+
+    def _place(self, param: Tensor) -> tuple[int, int]:
+        """``param``'s param group and position in it, for an error message."""
+        groups = enumerate(self.param_groups)
+        return next(
+            (g, i) for g, group in groups for i, p in enumerate(group["params"]) if p is param
+        )
 
     def _drop_stale_masters(self, matched: list[LoadedEntry]) -> None:
         """Take the master copy from the parameter where the loaded one is this optimizer's own

@@ -403,7 +403,9 @@ class HostState:
         self.pin_failed = False
         self.slots: dict[Tensor, Slot] = {}
         self.arenas: list[Arena] = []
-        self._lent: weakref.WeakSet = weakref.WeakSet()  # storages of views state_dict() lent
+        #: Storages of the views ``state_dict()`` lent, and those a load has written over since.
+        self._lent: weakref.WeakSet = weakref.WeakSet()
+        self._written_over: weakref.WeakSet = weakref.WeakSet()
 
     def allocate(self, requests: Sequence[tuple[Tensor, tuple[str, ...]]]) -> dict[Tensor, Slot]:
         """Lay out new parameters, one arena per kind; contents undefined.
@@ -462,20 +464,28 @@ class HostState:
             self._lent.add(lent.untyped_storage())
         return lent
 
-    def lent_beyond(self, sources: Iterable[Tensor]) -> bool:
-        """Whether views lent earlier are alive other than as ``sources`` (what is being
-        loaded): writing the buffers in place would change what they hold, which torch's load,
-        giving the optimizer new tensors, never does to its earlier ``state_dict()``."""
-        lent = {storage.data_ptr() for storage in self._lent}
-        return bool(lent - {source.untyped_storage().data_ptr() for source in sources})
+    def written_over(self, sources: Iterable[Tensor]) -> None:
+        """A load wrote ``sources`` into the buffers in place: the views lent earlier, other
+        than those loaded, now show the loaded state instead of what they were lent with."""
+        loaded = {id(source.untyped_storage()) for source in sources}
+        for storage in list(self._lent):
+            if id(storage) not in loaded and self._overlaps(storage.data_ptr(), storage.nbytes()):
+                self._written_over.add(storage)
+                self._lent.discard(storage)
+
+    def was_written_over(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` views a lent storage that a load has written over since."""
+        return tensor.untyped_storage() in self._written_over
 
     def overlaps(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` shares memory with any of the host buffers."""
         if tensor.device.type != "cpu" or tensor.numel() == 0:
             return False
         storage = tensor.untyped_storage()  # all of it: a cautious answer is a safe one
-        start = storage.data_ptr()
-        end = start + storage.nbytes()
+        return self._overlaps(storage.data_ptr(), storage.nbytes())
+
+    def _overlaps(self, start: int, nbytes: int) -> bool:
+        end = start + nbytes
         return any(
             b.data_ptr() < end and start < b.data_ptr() + b.numel() * b.element_size()
             for a in self.arenas
