@@ -352,11 +352,16 @@ class StreamChecker:
         storage object than the buffer's, lies in; None if there is none."""
         pointer = storage.data_ptr()
         index = bisect.bisect_right(self.host_starts, pointer) - 1
-        if index < 0:
+        while index >= 0:  # the nearest buffer below that is alive (live ones never overlap)
+            key = self.host_starts[index]
+            nbytes, owner = self.host_buffers[key]
+            if not owner.expired():
+                break
+            del self.host_starts[index], self.host_buffers[key]
+            index -= 1
+        else:
             return None
-        key = self.host_starts[index]
-        nbytes, owner = self.host_buffers[key]
-        if pointer >= key + nbytes or owner.expired() or owner.cdata == storage._cdata:
+        if pointer >= key + nbytes or owner.cdata == storage._cdata:
             return None
         return key, pointer - key
 

@@ -9,6 +9,7 @@ mutant, and none for the pipeline as written.
 from __future__ import annotations
 
 import ast
+import bisect
 import copy
 import sys
 import types
@@ -19,6 +20,7 @@ import pytest
 import torch
 from conftest import fail_on_call, make_params, step_together
 from stream_checker import StreamChecker
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import lightning_offload_optim.pipeline
 from lightning_offload_optim import OffloadAdamW
@@ -312,3 +314,16 @@ def test_accesses_through_a_slice_of_a_host_buffer_are_the_buffers(offset):
         side.record_event().synchronize()
         host_state.own_storage_view(buffer[offset + 8 : offset + 16]).fill_(1.0)
     assert checker.violations == []
+    with StreamChecker() as checker:  # a freed buffer once lay where this one's slice starts
+        buffer = host_state.host_empty(128, torch.float32)
+        gone = torch.empty(4).untyped_storage()
+        dead = StorageWeakRef(gone)
+        del gone
+        start = buffer.data_ptr() + 4 * offset + 16  # below the slice written
+        bisect.insort(checker.host_starts, start)
+        checker.host_buffers[start] = (64, dead)
+        side = streams.device_module(torch.device("cpu")).Stream()
+        with torch.cpu.stream(side):
+            torch.empty(32).copy_(buffer[offset : offset + 32], non_blocking=True)
+        host_state.own_storage_view(buffer[offset + 8 : offset + 16]).fill_(1.0)
+    assert len(checker.violations) == 1 and "writes host buffer" in checker.violations[0]
