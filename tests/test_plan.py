@@ -85,42 +85,26 @@ class TinyLlama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
 
-class TinyMixtral(nn.Module):
-    """Hugging Face's Mixtral layout, written out by hand: Llama's attention, then a router
-    and an MLP (w1, w2, w3) per expert."""
+class TinyMixtral(TinyLlama):
+    """Hugging Face's Mixtral layout, written out by hand: Llama's, with a router and an MLP
+    (w1, w2, w3) per expert in place of each layer's MLP."""
 
     def __init__(self, c: dict) -> None:
-        super().__init__()
+        super().__init__(c)
         hidden, inter, experts = c["hidden_size"], c["intermediate_size"], c["num_local_experts"]
-        kv = c["num_key_value_heads"] * hidden // c["num_attention_heads"]
 
         def expert() -> nn.ModuleDict:
-            return nn.ModuleDict(
-                {
-                    "w1": nn.Linear(hidden, inter, bias=False),
-                    "w2": nn.Linear(inter, hidden, bias=False),
-                    "w3": nn.Linear(hidden, inter, bias=False),
-                }
-            )
+            shapes = {"w1": (hidden, inter), "w2": (inter, hidden), "w3": (hidden, inter)}
+            return nn.ModuleDict({k: nn.Linear(*shape, bias=False) for k, shape in shapes.items()})
 
-        self.embed_tokens = nn.Embedding(c["vocab_size"], hidden)
-        self.layers = nn.ModuleList(
-            nn.ModuleDict(
-                {
-                    "q_proj": nn.Linear(hidden, hidden, bias=False),
-                    "k_proj": nn.Linear(hidden, kv, bias=False),
-                    "v_proj": nn.Linear(hidden, kv, bias=False),
-                    "o_proj": nn.Linear(hidden, hidden, bias=False),
-                    "gate": nn.Linear(hidden, experts, bias=False),
-                    "experts": nn.ModuleList(expert() for _ in range(experts)),
-                    "input_layernorm": nn.RMSNorm(hidden),
-                    "post_attention_layernorm": nn.RMSNorm(hidden),
-                }
-            )
-            for _ in range(c["num_hidden_layers"])
-        )
-        self.norm = nn.RMSNorm(hidden)
-        self.lm_head = nn.Linear(hidden, c["vocab_size"], bias=False)
+        for i, layer in enumerate(self.layers):
+            attention = {k: layer[k] for k in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            norms = {k: layer[k] for k in ("input_layernorm", "post_attention_layernorm")}
+            moe = {
+                "gate": nn.Linear(hidden, experts, bias=False),
+                "experts": nn.ModuleList(expert() for _ in range(experts)),
+            }
+            self.layers[i] = nn.ModuleDict(attention | moe | norms)
 
 
 def mixed_model() -> nn.Module:
