@@ -698,10 +698,15 @@ def test_fsdp1_parameters_are_refused_with_the_way_out(tmp_path, use_orig_params
         with pytest.raises(ValueError, match=r"parameter 0 of param group 1 .*FSDP1"):
             opt.add_param_group({"params": list(model.parameters())})
         assert len(opt.param_groups) == 1
-        # Disabled, it is torch's AdamW (offload_enabled=False in the mixin), which takes them.
+        # Disabled, it is torch's AdamW (offload_enabled=False in the mixin), which takes them,
+        # listed or alone in a group.
         reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
-        disabled = OffloadAdamW(model.parameters(), lr=0.1, enabled=False)
-        torch_opt = torch.optim.AdamW(reference, lr=0.1)
+        first, *rest = model.parameters()
+        disabled = OffloadAdamW([first], lr=0.1, enabled=False)
+        torch_opt = torch.optim.AdamW(reference[:1], lr=0.1)
+        for param, twin in zip(rest, reference[1:], strict=True):
+            disabled.add_param_group({"params": param})
+            torch_opt.add_param_group({"params": twin})
         for p, r in zip(model.parameters(), reference, strict=True):
             p.grad = torch.ones_like(p)
             r.grad = torch.ones_like(r)

@@ -141,6 +141,31 @@ def test_offloaded_state_is_a_copy():
     assert not (opt.offloaded_state(params[0])["exp_avg"] == 123.0).any()
 
 
+def test_overlap_with_the_host_buffers_is_exact_at_their_edges():
+    """Loads write in place only when no source shares memory with the buffers, and mark the
+    views lent earlier that they write over: a range that ends where a buffer starts, or
+    starts where it ends, is not in it."""
+    params = make_params()
+    opt = OffloadAdamW(params, pin_memory=False)
+    set_grads([params], torch.Generator().manual_seed(0))
+    opt.step()
+    buffers = [b for arena in opt._host.arenas for b in arena.buffers.values()]
+    spans = [(b.data_ptr(), b.data_ptr() + b.nbytes) for b in buffers]
+
+    def covered(start: int, stop: int) -> bool:  # by any buffer, from their addresses alone
+        return any(first < stop and start < last for first, last in spans)
+
+    for start, stop in spans:
+        for probe, nbytes, inside in [
+            (start, 1, True),
+            (stop - 1, 1, True),
+            (start - 8, 8, False),
+            (stop, 8, False),
+        ]:
+            expected = inside or covered(probe, probe + nbytes)
+            assert opt._host._overlaps(probe, nbytes) == expected, (probe - start, nbytes)
+
+
 def test_host_buffers_are_freed_with_the_optimizer():
     import gc
     import weakref

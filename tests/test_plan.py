@@ -616,6 +616,7 @@ def test_numpy_numbers_plan_as_the_python_ones():
         ({**TINY, "num_attention_heads": 0}, {}, "has a size below 1"),
         ({**TINY, "num_key_value_heads": 0}, {}, "has a size below 1"),
         ({**TINY, "head_dim": 0}, {}, "has a size below 1"),
+        ({**TINY, "model_type": "mixtral", "num_local_experts": -1}, {}, "has a size below 1"),
         ({"vocab_size": 10, "hidden_size": 8}, {}, "lacks intermediate_size, num_hidden_layers"),
         ("8b", {}, r"neither a parameter count \(7e9\), a preset"),
         ({**TINY, "model_type": "gpt_neox"}, {}, "a 'gpt_neox' model; the planner reads the Llama"),
@@ -694,6 +695,31 @@ def test_cli_takes_counts_and_refuses_bad_input(capsys):
         with pytest.raises(SystemExit):
             main(["7e9", option, text])
         assert message in capsys.readouterr().err
+
+
+def test_cli_reads_sizes_at_their_limits(capsys):
+    """The smallest bare size, decimal units, negative exponents, and the largest sizes."""
+    assert main(["7e9", "--gpu-memory", "1048576"]).gpu_memory == 2**20
+    small = main(["7e9", "--gpu-memory", "512KB", "--host-memory", "1e-3TB"])
+    assert (small.gpu_memory, small.host_memory) == (512_000, 10**9)
+    for option, text, message in (
+        ("--gpu-memory", "1e19", "size '1e19' is too large"),  # above 2**63
+        ("--resident", "1e30", "resident 1e30 is neither a share"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["7e9", option, text])
+        assert message in capsys.readouterr().err
+
+
+def test_the_chunk_guard_counts_one_ranks_chunks(monkeypatch):
+    """At most MAX_PLANNED_CHUNKS chunks per rank are planned; an FSDP2 rank plans its shard."""
+    monkeypatch.setattr(plan_module, "MAX_PLANNED_CHUNKS", 8)  # chunk_size 1000 rounds to 960
+    assert plan(8 * 960 + 959, chunk_size=1000, **MACHINE).parameters == 8 * 960 + 959
+    with pytest.raises(ValueError, match="about 9 chunks per step, more than the 8 planned"):
+        plan(9 * 960, chunk_size=1000, **MACHINE)
+    assert plan(32_000, chunk_size=1000, strategy="fsdp2", gpus=4, **MACHINE).gpus == 4
+    with pytest.raises(ValueError, match="about 9 chunks per step"):
+        plan(36 * 960, chunk_size=1000, strategy="fsdp2", gpus=4, **MACHINE)
 
 
 def test_cli_names_a_config_that_is_not_json(tmp_path, capsys):

@@ -401,6 +401,9 @@ def test_each_state_tensor_pickles_as_its_own_parameters_state_alone(mode, dtype
     saved = ours.state_dict()
     tensors = [t for entry in saved["state"].values() for t in entry.values()]
     payload = sum(t.numel() * t.element_size() for t in tensors)
+    assert [t.untyped_storage().nbytes() for t in tensors] == [  # each its own bytes, no more
+        t.numel() * t.element_size() for t in tensors
+    ]
     assert len(pickle.dumps(saved)) < 1.1 * payload + 16384
     unpickled = pickle.loads(pickle.dumps(saved))
     for index, entry in saved["state"].items():
@@ -438,6 +441,54 @@ def test_a_state_dict_a_load_wrote_over_is_refused_and_a_copy_rolls_back(mode):
     assert_same(params, reference)
     for optimizer, state in zip((ours, torchs), kept, strict=True):
         optimizer.load_state_dict(state)
+    step_together([ours, torchs], [params, reference], generator, 2)
+    assert_same(params, reference)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_an_edited_own_state_dict_loads_again_as_in_torch(mode):
+    """Views loaded into the buffers they view are not written over by that load: a state dict
+    edited by hand (one moment halved, a new lr) loads, and loads again, as a copy of torch
+    AdamW's does."""
+    params = make_params()
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=0.01, **mode)
+    torchs = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(22)
+    step_together([ours, torchs], [params, reference], generator, 2)
+    edited = [ours.state_dict(), copy.deepcopy(torchs.state_dict())]
+    for state_dict in edited:
+        state_dict["state"][1]["exp_avg"] = state_dict["state"][1]["exp_avg"] * 0.5
+        state_dict["param_groups"][0]["lr"] = 0.02
+    for _ in range(2):
+        ours.load_state_dict(edited[0])
+        torchs.load_state_dict(copy.deepcopy(edited[1]))  # torch's load aliases its tensors
+    step_together([ours, torchs], [params, reference], generator, 2)
+    assert_same(params, reference)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_a_state_dict_of_buffers_a_load_replaced_still_rolls_back(mode):
+    """A load that needs new buffers (an amsgrad checkpoint adds a key) leaves the views lent
+    before it on the old buffers, which nothing writes any more: after further in-place loads
+    of the new layout, those views still hold their own state and roll back as torch's copy."""
+    params, other_params = make_params(), make_params(seed=1)
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=0.01, **mode)
+    torchs = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(23)
+    step_together([ours, torchs], [params, reference], generator, 2)
+    old = [ours.state_dict(), copy.deepcopy(torchs.state_dict())]
+    other = torch.optim.AdamW(other_params, lr=0.01, amsgrad=True, fused=True)
+    step_together([other], [other_params], torch.Generator().manual_seed(24), 3)
+    with_amsgrad = save_and_load(other.state_dict())
+    for _ in range(2):  # new buffers, then in place
+        for optimizer in (ours, torchs):
+            optimizer.load_state_dict(save_and_load(with_amsgrad))
+        step_together([ours, torchs], [params, reference], generator, 1)
+        assert_same(params, reference)
+    for optimizer, state_dict in zip((ours, torchs), old, strict=True):
+        optimizer.load_state_dict(state_dict)
     step_together([ours, torchs], [params, reference], generator, 2)
     assert_same(params, reference)
 

@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import lightning_offload_optim.pipeline
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim import adamw as adamw_module
+from lightning_offload_optim.host_state import own_storage_view
 from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, StepRecord
 
 PIPELINE = Path(lightning_offload_optim.pipeline.__file__)
@@ -299,13 +300,14 @@ def test_accesses_through_a_slice_of_a_host_buffer_are_the_buffers(offset):
     went unchecked, and removing ``wait_host``'s wait for queued copy-ins went unnoticed)."""
     from lightning_offload_optim import host_state, streams
 
+    on_the_host = "fill_ on the host writes host buffer"  # not a queued op: the host's own
     with StreamChecker() as checker:
         buffer = host_state.host_empty(128, torch.float32)
         side = streams.device_module(torch.device("cpu")).Stream()
         with torch.cpu.stream(side):
             torch.empty(32).copy_(buffer[offset : offset + 32], non_blocking=True)  # reading
         host_state.own_storage_view(buffer[offset + 8 : offset + 16]).fill_(1.0)
-    assert len(checker.violations) == 1 and "writes host buffer" in checker.violations[0]
+    assert len(checker.violations) == 1 and on_the_host in checker.violations[0]
     with StreamChecker() as checker:  # ordered by the host's wait, nothing is reported
         buffer = host_state.host_empty(128, torch.float32)
         side = streams.device_module(torch.device("cpu")).Stream()
@@ -326,4 +328,18 @@ def test_accesses_through_a_slice_of_a_host_buffer_are_the_buffers(offset):
         with torch.cpu.stream(side):
             torch.empty(32).copy_(buffer[offset : offset + 32], non_blocking=True)
         host_state.own_storage_view(buffer[offset + 8 : offset + 16]).fill_(1.0)
-    assert len(checker.violations) == 1 and "writes host buffer" in checker.violations[0]
+    assert len(checker.violations) == 1 and on_the_host in checker.violations[0]
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+def test_a_storage_starting_where_a_host_buffer_ends_is_not_that_buffer():
+    """A view's storage is resolved to the live host buffer it lies in; one that starts at the
+    buffer's end lies in the next allocation, whose history is its own."""
+    memory = torch.empty(64)
+    checker = StreamChecker()
+    start = memory.data_ptr()
+    checker.host_starts.append(start)
+    checker.host_buffers[start] = (128, StorageWeakRef(memory.untyped_storage()))  # its half
+    last = own_storage_view(memory[31:]).untyped_storage()
+    assert checker._host_alias(last) == (start, 124)
+    assert checker._host_alias(own_storage_view(memory[32:]).untyped_storage()) is None
