@@ -416,18 +416,26 @@ def test_each_state_tensor_pickles_as_its_own_parameters_state_alone(mode, dtype
     assert sizes[0] == sizes[1]
 
 
+def stepped_twins(mode: dict, seed: int):
+    """Ours and fused torch AdamW (lr 0.01) over equal parameters, stepped twice alike; and the
+    generator of the gradients to come."""
+    params = make_params()
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=0.01, **mode)
+    torchs = torch.optim.AdamW(reference, lr=0.01, fused=True)
+    generator = torch.Generator().manual_seed(seed)
+    step_together([ours, torchs], [params, reference], generator, 2)
+    return ours, torchs, params, reference, generator
+
+
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 def test_a_state_dict_a_load_wrote_over_is_refused_and_a_copy_rolls_back(mode):
     """Loads write in place (the state is held once), so an uncloned ``state_dict()`` taken
     before a load shows the loaded moments afterwards, but not its step counts: loading it
     again (a rollback) mixed the two silently. It is refused, naming the entry, and nothing
     changes; a deep copy rolls back as torch AdamW's own state dict does."""
-    params, other_params = make_params(), make_params(seed=1)
-    reference = clone_params(params)
-    ours = OffloadAdamW(params, lr=0.01, **mode)
-    torchs = torch.optim.AdamW(reference, lr=0.01, fused=True)
-    generator = torch.Generator().manual_seed(20)
-    step_together([ours, torchs], [params, reference], generator, 2)
+    ours, torchs, params, reference, generator = stepped_twins(mode, 20)
+    other_params = make_params(seed=1)
     other = torch.optim.AdamW(other_params, lr=0.01, fused=True)
     step_together([other], [other_params], torch.Generator().manual_seed(21), 3)
     other_state = save_and_load(other.state_dict())
@@ -450,12 +458,7 @@ def test_an_edited_own_state_dict_loads_again_as_in_torch(mode):
     """Views loaded into the buffers they view are not written over by that load: a state dict
     edited by hand (one moment halved, a new lr) loads, and loads again, as a copy of torch
     AdamW's does."""
-    params = make_params()
-    reference = clone_params(params)
-    ours = OffloadAdamW(params, lr=0.01, **mode)
-    torchs = torch.optim.AdamW(reference, lr=0.01, fused=True)
-    generator = torch.Generator().manual_seed(22)
-    step_together([ours, torchs], [params, reference], generator, 2)
+    ours, torchs, params, reference, generator = stepped_twins(mode, 22)
     edited = [ours.state_dict(), copy.deepcopy(torchs.state_dict())]
     for state_dict in edited:
         state_dict["state"][1]["exp_avg"] = state_dict["state"][1]["exp_avg"] * 0.5
@@ -472,12 +475,8 @@ def test_a_state_dict_of_buffers_a_load_replaced_still_rolls_back(mode):
     """A load that needs new buffers (an amsgrad checkpoint adds a key) leaves the views lent
     before it on the old buffers, which nothing writes any more: after further in-place loads
     of the new layout, those views still hold their own state and roll back as torch's copy."""
-    params, other_params = make_params(), make_params(seed=1)
-    reference = clone_params(params)
-    ours = OffloadAdamW(params, lr=0.01, **mode)
-    torchs = torch.optim.AdamW(reference, lr=0.01, fused=True)
-    generator = torch.Generator().manual_seed(23)
-    step_together([ours, torchs], [params, reference], generator, 2)
+    ours, torchs, params, reference, generator = stepped_twins(mode, 23)
+    other_params = make_params(seed=1)
     old = [ours.state_dict(), copy.deepcopy(torchs.state_dict())]
     other = torch.optim.AdamW(other_params, lr=0.01, amsgrad=True, fused=True)
     step_together([other], [other_params], torch.Generator().manual_seed(24), 3)
