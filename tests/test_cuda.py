@@ -153,6 +153,17 @@ def test_peak_device_memory_is_params_grads_staging_and_slack():
     assert torch.cuda.max_memory_allocated() <= baseline + slack
 
 
+def test_a_tensor_lr_on_the_gpu_steps_parameters_on_the_host():
+    """CPU parameters are updated in place on the host; an lr tensor kept on the GPU is moved
+    to them for the kernel, as torch's fused AdamW moves it (the CPU kernel cannot read it)."""
+    params = make_params()
+    reference = clone_params(params)
+    ours = OffloadAdamW(params, lr=torch.tensor(0.01, device=CUDA))
+    theirs = torch.optim.AdamW(reference, lr=torch.tensor(0.01, device=CUDA), fused=True)
+    step_together([ours, theirs], [params, reference], torch.Generator().manual_seed(8), 3)
+    assert_same(params, reference)
+
+
 def test_parameter_moved_to_another_device_is_refused():
     params = make_params(device=CUDA)
     opt = OffloadAdamW(params)

@@ -153,6 +153,20 @@ def test_metadata_records_each_offload_optimizers_own_settings():
     ]
 
 
+def test_metadata_records_whether_the_host_state_is_pinned(monkeypatch):
+    """``pin_memory`` is the optimizer's own (resolved) setting, apart from the others: pinned
+    where an accelerator is available (as in a GPU run), not pinned where staging is forced on
+    the CPU."""
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.accelerator, "is_available", lambda: True)
+        pinned = OffloadAdamW([params[0]], pin_memory=None)  # built only: nothing pinned yet
+    staged = OffloadAdamW([params[1]], pin_memory=False, force_staging=True)
+    assert (pinned.pin_memory, staged.pin_memory) == (True, False)
+    recorded = offload_metadata([pinned, staged])["optimizers"]
+    assert [entry["pin_memory"] for entry in recorded] == [True, False]
+
+
 def test_a_disabled_offload_run_records_enabled_false(tmp_path):
     model = TinyModel()
     model.hparams.offload_enabled = False  # plain torch AdamW behaviour

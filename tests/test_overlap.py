@@ -16,6 +16,7 @@ from conftest import (
     MasterCopyAdamW,
     assert_same,
     clamp_alike,
+    fail_on_call,
     overlapped_pair,
     record_update_order,
     train_alike,
@@ -710,3 +711,25 @@ def test_fsdp2_streams_out_of_reach_fall_back_to_waiting_for_everything():
     context.all_gather_copy_in_stream, context.all_gather_stream = "copy-in", "gather"
     assert _all_gather_streams(unit) == (["copy-in", "gather"], [])
     assert _all_gather_streams(SimpleNamespace()) == (None, [])  # no FSDP2 state at all
+
+
+def test_no_copies_are_queued_ahead_of_a_step_refused_after_a_failed_one(stream_order, monkeypatch):
+    """After a step that failed partway the optimizer refuses to step until a load: a forward
+    pass (validation) must not queue copies of the half-updated state for that step (each
+    moved for nothing, and counted as moved)."""
+    from lightning_offload_optim import adamw as adamw_module
+
+    model, optimizer = overlapped()
+    train(model, optimizer, 2)
+    checkpoint = copy.deepcopy(optimizer.state_dict())
+    model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()
+    fail_on_call(monkeypatch, adamw_module, "adamw_update", 2, RuntimeError("simulated fault"))
+    with pytest.raises(RuntimeError, match="simulated fault"):
+        optimizer.step()
+    monkeypatch.undo()
+    optimizer.take_copies_between_steps()  # what the failed step queued, if anything
+    with torch.no_grad():
+        model(torch.zeros(2, 3, dtype=torch.long))
+    assert optimizer.take_copies_between_steps().resolve().bytes_in == 0
+    optimizer.load_state_dict(checkpoint)
+    stream_order.expect_none()

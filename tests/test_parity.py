@@ -433,6 +433,23 @@ def test_disabled_is_torch_adamw_with_its_default_kernel():
         assert_same(list(state.values()), [torch_opt.state[r][k] for k in keys])
 
 
+def test_disabled_add_param_group_takes_what_torch_adamw_takes():
+    """Disabled, ``add_param_group`` is torch's, which checks no hyperparameters (its
+    constructor does): a group with a negative weight decay, which an enabled OffloadAdamW
+    refuses, is taken and stepped as torch.optim.AdamW steps it."""
+    first, second = make_params([(5,), (13, 17)])
+    reference = clone_params([first, second])
+    offload = OffloadAdamW([first], lr=0.05, enabled=False)
+    torch_opt = torch.optim.AdamW(reference[:1], lr=0.05)
+    offload.add_param_group({"params": [second], "weight_decay": -0.1})
+    torch_opt.add_param_group({"params": [reference[1]], "weight_decay": -0.1})
+    generator = torch.Generator().manual_seed(7)
+    step_together([offload, torch_opt], [[first, second], reference], generator, 3)
+    assert_same([first, second], reference)
+    with pytest.raises(ValueError, match=r"param group 1 has weight_decay=-0\.1"):
+        OffloadAdamW([first]).add_param_group({"params": [second], "weight_decay": -0.1})
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_step_hooks_run_once_a_step_as_in_torch(enabled):
     """Per-optimizer and global step pre/post hooks run once per step, around the update, as

@@ -323,6 +323,30 @@ def test_state_is_kept_resident_again_after_release_device_memory(stream_order):
     stream_order.expect_none()
 
 
+@pytest.mark.parametrize("share", [None, 0.0])
+def test_release_device_memory_drops_plans_cut_for_resident_state(stream_order, share):
+    """A resident parameter is one chunk whatever ``chunk_size`` (it needs no staging). Once
+    ``release_device_memory()`` gave the state back and nothing is kept resident any more, the
+    plans cut around the old share must go: staged, the 640-element parameter would take
+    staging buffers of 640 elements, past the 128 that ``chunk_size`` bounds them to."""
+    params = make_params(SHAPES)
+    reference = clone_params(params)
+    ours = staged(params, resident=1.0)
+    theirs = torch.optim.AdamW(reference, lr=0.05, fused=True)
+    generator = torch.Generator().manual_seed(13)
+    step_together([ours, theirs], [params, reference], generator, 2)
+    assert ours.memory_stats()["resident_bytes"] == STATE
+    ours.release_device_memory()
+    ours.resident = share
+    step_together([ours, theirs], [params, reference], generator, 2)
+    stats = ours.memory_stats()
+    assert stats["resident_bytes"] == 0
+    # Two staging sets of exp_avg and exp_avg_sq, 128 fp32 elements each.
+    assert stats["staging_bytes"] == 2 * 2 * 128 * 4
+    assert_same(params, reference)
+    stream_order.expect_none()
+
+
 def test_a_share_set_anew_copies_only_the_state_it_does_not_keep(stream_order):
     """Chunk plans end where resident ranges do: plans cached for the old share (here none
     kept) would make a chunk straddle the new share's edge and copy resident state too."""
