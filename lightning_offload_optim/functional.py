@@ -56,7 +56,8 @@ def adamw_update(
         return
     device = params[0].device
     if isinstance(lr, Tensor) and lr.device.type != "cpu" and lr.device != device:
-        lr = lr.to(device, non_blocking=True)
+        # Not non-blocking to the host: the host kernel would read a buffer not yet written.
+        lr = lr.to(device, non_blocking=device.type != "cpu")
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     kernel(
         params,

@@ -154,13 +154,17 @@ def test_peak_device_memory_is_params_grads_staging_and_slack():
 
 
 def test_a_tensor_lr_on_the_gpu_steps_parameters_on_the_host():
-    """CPU parameters are updated in place on the host; an lr tensor kept on the GPU is moved
-    to them for the kernel, as torch's fused AdamW moves it (the CPU kernel cannot read it)."""
+    """CPU parameters are updated in place on the host; an lr tensor kept on the GPU is copied
+    to the host first and waited for: a non-blocking copy (torch's fused AdamW makes one)
+    would hand the host kernel a buffer that the GPU, kept busy here, has not written yet."""
     params = make_params()
     reference = clone_params(params)
     ours = OffloadAdamW(params, lr=torch.tensor(0.01, device=CUDA))
-    theirs = torch.optim.AdamW(reference, lr=torch.tensor(0.01, device=CUDA), fused=True)
-    step_together([ours, theirs], [params, reference], torch.Generator().manual_seed(8), 3)
+    theirs = torch.optim.AdamW(reference, lr=torch.tensor(0.01), fused=True)
+    generator = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        torch.cuda._sleep(100_000_000)  # a copy of lr queued now would wait behind this
+        step_together([ours, theirs], [params, reference], generator, 1)
     assert_same(params, reference)
 
 
