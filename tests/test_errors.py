@@ -520,6 +520,24 @@ def test_fault_partway_through_the_update_refuses_until_a_checkpoint_is_loaded(m
     assert_same(params, reference)
 
 
+def test_fault_partway_through_an_update_on_the_host_is_raised_as_it_is(monkeypatch):
+    """Parameters on the host are updated in place (no staging, nothing to settle): a fault in
+    the second chunk (an arena of another dtype) reaches the caller as it is, not replaced by
+    an error of the clean-up, and the optimizer refuses to step until a load."""
+    from lightning_offload_optim import adamw as adamw_module
+
+    params = make_params([(10,)]) + make_params([(10,)], dtype=torch.float64)
+    opt = OffloadAdamW(params)
+    step_together([opt], [params], torch.Generator().manual_seed(0), 1)
+    fail_on_call(monkeypatch, adamw_module, "adamw_update", 2, RuntimeError("simulated fault"))
+    set_grads([params], torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="simulated fault"):
+        opt.step()
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="failed partway through its update"):
+        opt.step()
+
+
 def test_a_parameter_listed_twice_is_refused_at_construction():
     """torch only warns, then allocates its state once and steps it twice per step."""
     params = make_params()

@@ -517,6 +517,19 @@ def test_memory_efficient_adamw_passes_the_keyword_settings_on():
     assert_same(params, reference)
 
 
+def test_memory_efficient_adamw_passes_pin_memory_and_enabled_on(monkeypatch):
+    """The legacy name's last two positional arguments reach OffloadAdamW as given: with an
+    accelerator present, ``pin_memory=False`` is not taken for the default (pin), and
+    ``enabled=False`` gives a disabled optimizer."""
+    from lightning_offload_optim import MemoryEfficientAdamW
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # None would pin
+    args = (0.01, (0.9, 0.999), 1e-8, 0.01, False)
+    assert MemoryEfficientAdamW(make_params(), *args, False).pin_memory is False
+    assert MemoryEfficientAdamW(make_params(), *args, None).pin_memory is True
+    assert MemoryEfficientAdamW(make_params(), *args, None, False).enabled is False
+
+
 def test_grad_scaler_steps_without_closure_and_skips_non_finite_steps():
     params = make_params()
     reference = clone_params(params)

@@ -91,6 +91,31 @@ def test_inactive_parameters_split_chunks_so_their_state_is_not_moved():
 
 
 @pytest.mark.parametrize(
+    "mode", [{}, {"force_staging": True, "chunk_size": 256}], ids=["direct", "staged"]
+)
+def test_a_chunk_never_runs_on_into_the_state_of_another_arena(mode):
+    """Each arena (kind of state) is cut into chunks of its own: where the first active
+    parameter of the next arena starts at the offset the last chunk of the previous one
+    stops at, it still starts a chunk in its own arena, and the step is torch AdamW's."""
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(100, generator=generator, dtype=d) for d in [torch.float32] * 2]
+    values += [torch.randn(100, generator=generator, dtype=torch.float64) for _ in range(2)]
+    params = [torch.nn.Parameter(v.clone()) for v in values]
+    reference = [torch.nn.Parameter(v.clone()) for v in values]
+    ours = OffloadAdamW(params, **mode)
+    theirs = torch.optim.AdamW(reference, fused=True)
+    step_together([ours, theirs], [params, reference], generator, 1)  # lays the state out
+    first, second = sorted(ours._host.arenas, key=id)  # the order plan_chunks takes them in
+    slots = [ours._host.slots[p] for p in params]
+    # Active: the first arena's parameter at offset 0 (its chunk stops at 100), and the
+    # second arena's parameter at offset 100.
+    active = [(s.arena, s.offset) in ((first, 0), (second, 100)) for s in slots]
+    assert sum(active) == 2
+    step_together([ours, theirs], [params, reference], generator, 2, skip=lambda i: not active[i])
+    assert_same(params, reference)
+
+
+@pytest.mark.parametrize(
     ("dtype", "amsgrad", "bytes_per_element"),
     [(torch.float32, False, 8), (torch.float32, True, 12), (torch.bfloat16, False, 12)],
 )
@@ -523,6 +548,42 @@ def test_resident_chunks_take_no_staging_turn_so_the_first_staged_chunks_prefetc
     pipeline.prefetch(chunks)
     assert sorted(pipeline._prefetched) == [2, 3]
     assert [key[3] for key, _ in pipeline._prefetched.values()] == [0, 1]
+    pipeline.wait_host()
+
+
+def test_each_kind_of_state_takes_its_staging_buffers_in_turn_from_the_first():
+    """Arenas of another dtype stage through buffer sets of their own: turns count per kind
+    (device and dtype), so each kind's chunks alternate between its buffers and the first
+    chunks of every kind are the ones queued ahead of the step."""
+    n = SPLIT_ALIGNMENT
+    params = make_params([(2 * n,)]) + make_params([(2 * n,)], dtype=torch.float64)
+    host = HostState(pin_for=lambda device: False)
+    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    assert len(host.arenas) == 2
+    pipeline = StagingPipeline(n, force_staging=True)
+    chunks = plan_chunks([host.slots[p] for p in params], n)
+    assert [c.arena for c in chunks][::2] == [c.arena for c in chunks][1::2]
+    pipeline.prepare(chunks)
+    assert pipeline._turns(chunks) == [0, 1, 0, 1]
+    pipeline.run(chunks, lambda chunk, views: None)  # a step, then the next one's copies
+    pipeline.prefetch(chunks)
+    assert sorted(pipeline._prefetched) == [0, 1, 2, 3]
+    pipeline.wait_host()
+
+
+def test_no_copies_are_queued_ahead_into_staging_buffers_released():
+    """After :meth:`release` no staging buffer is held: the next step's copies are not queued
+    ahead (there is nowhere to put them) until a step allocates buffers again."""
+    params = make_params([(2 * SPLIT_ALIGNMENT,)])
+    host = HostState(pin_for=lambda device: False)
+    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    pipeline = StagingPipeline(SPLIT_ALIGNMENT, force_staging=True)
+    chunks = plan_chunks([host.slots[p] for p in params], SPLIT_ALIGNMENT)
+    pipeline.prepare(chunks)
+    pipeline.run(chunks, lambda chunk, views: None)
+    pipeline.release()
+    pipeline.prefetch(chunks)
+    assert pipeline._prefetched == {} and pipeline.staging_bytes == 0
     pipeline.wait_host()
 
 
