@@ -304,12 +304,20 @@ def test_no_free_memory_figure_off_cuda():
     assert free_device_memory(torch.device("cpu")) is None
 
 
-def test_state_is_kept_resident_again_after_release_device_memory(stream_order):
+@pytest.mark.parametrize(
+    ("share", "then"),
+    [(0.5, {}), (1.0, {"resident": None}), (1.0, {"resident": 0.0})],
+    ids=["same-share", "none-then", "zero-then"],
+)
+def test_state_is_kept_resident_again_after_release_device_memory(stream_order, share, then):
     """After ``release_device_memory()`` (a second ``fit``), the next steps allocate again and
-    keep the same share resident; results stay torch's."""
+    keep resident the share set by then (``then``): the same again, or none. Plans cut around
+    the old share are dropped: a resident parameter is one chunk whatever ``chunk_size`` (it
+    needs no staging), and staged, the 640-element one would take staging of 640 elements, past
+    the 128 that ``chunk_size`` bounds it to. Results stay torch's."""
     params = make_params(SHAPES)
     reference = clone_params(params)
-    ours = staged(params, resident=0.5)
+    ours = staged(params, resident=share)
     torch_opt = torch.optim.AdamW(reference, lr=0.05, fused=True)
     generator = torch.Generator().manual_seed(21)
     step_together([ours, torch_opt], [params, reference], generator, 2)
@@ -317,32 +325,13 @@ def test_state_is_kept_resident_again_after_release_device_memory(stream_order):
     assert before > 0
     ours.release_device_memory()
     assert ours.memory_stats()["resident_bytes"] == 0
+    for name, value in then.items():
+        setattr(ours, name, value)
     step_together([ours, torch_opt], [params, reference], generator, 2)
-    assert ours.memory_stats()["resident_bytes"] == before
-    assert_same(params, reference)
-    stream_order.expect_none()
-
-
-@pytest.mark.parametrize("share", [None, 0.0])
-def test_release_device_memory_drops_plans_cut_for_resident_state(stream_order, share):
-    """A resident parameter is one chunk whatever ``chunk_size`` (it needs no staging). Once
-    ``release_device_memory()`` gave the state back and nothing is kept resident any more, the
-    plans cut around the old share must go: staged, the 640-element parameter would take
-    staging buffers of 640 elements, past the 128 that ``chunk_size`` bounds them to."""
-    params = make_params(SHAPES)
-    reference = clone_params(params)
-    ours = staged(params, resident=1.0)
-    theirs = torch.optim.AdamW(reference, lr=0.05, fused=True)
-    generator = torch.Generator().manual_seed(13)
-    step_together([ours, theirs], [params, reference], generator, 2)
-    assert ours.memory_stats()["resident_bytes"] == STATE
-    ours.release_device_memory()
-    ours.resident = share
-    step_together([ours, theirs], [params, reference], generator, 2)
     stats = ours.memory_stats()
-    assert stats["resident_bytes"] == 0
-    # Two staging sets of exp_avg and exp_avg_sq, 128 fp32 elements each.
-    assert stats["staging_bytes"] == 2 * 2 * 128 * 4
+    assert stats["resident_bytes"] == (0 if then else before)
+    if then:  # two staging sets of exp_avg and exp_avg_sq, 128 fp32 elements each
+        assert stats["staging_bytes"] == 2 * 2 * 128 * 4
     assert_same(params, reference)
     stream_order.expect_none()
 
