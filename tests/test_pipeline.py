@@ -29,6 +29,15 @@ from lightning_offload_optim.host_state import MASTER_KEY, HostState
 from lightning_offload_optim.pipeline import StagingPipeline, plan_chunks
 from lightning_offload_optim.resident import ResidentRanges
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def laid_out(params: list[torch.Tensor], keys: tuple[str, ...] = MOMENTS) -> HostState:
+    """Pageable host state with ``keys`` for ``params``, laid out in their order."""
+    host = HostState(pin_for=lambda device: False)
+    host.adopt(host.allocate([(p, keys) for p in params]))
+    return host
+
 
 @pytest.mark.parametrize("seed", range(20))
 def test_chunks_cover_each_active_element_once_within_bounds(seed):
@@ -38,10 +47,8 @@ def test_chunks_cover_each_active_element_once_within_bounds(seed):
     rng = random.Random(seed)
     shapes = [(rng.randint(1, 700),) for _ in range(rng.randint(1, 12))]
     params = make_params(shapes)
-    host = HostState(pin_for=lambda device: False)
     master = seed % 2 == 1
-    keys = ("exp_avg", "exp_avg_sq", MASTER_KEY) if master else ("exp_avg", "exp_avg_sq")
-    host.adopt(host.allocate([(p, keys) for p in params]))
+    host = laid_out(params, (*MOMENTS, MASTER_KEY) if master else MOMENTS)
     arena = host.arenas[0]
     kept = {i for i in range(len(params)) if rng.random() < 0.4}
     slots = [host.slots[p] for p in params]
@@ -84,8 +91,7 @@ def test_chunks_cover_each_active_element_once_within_bounds(seed):
 
 def test_inactive_parameters_split_chunks_so_their_state_is_not_moved():
     params = make_params([(10,), (10,), (10,)])
-    host = HostState(pin_for=lambda device: False)
-    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    host = laid_out(params)
     chunks = plan_chunks([host.slots[params[0]], host.slots[params[2]]], 1024)
     assert [(c.start, c.stop) for c in chunks] == [(0, 10), (20, 30)]
 
@@ -495,8 +501,7 @@ def test_chunks_follow_memory_order_not_step_order():
     """Slots given out of memory order (the step's order) are still cut in memory order: the
     state of adjacent parameters is one chunk, moved by one copy per key (P01)."""
     params = make_params([(10,), (20,), (30,), (40,)])
-    host = HostState(pin_for=lambda device: False)
-    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    host = laid_out(params)
     slots = [host.slots[p] for p in reversed(params)]
     chunks = plan_chunks(slots, 1024)
     assert [(c.start, c.stop) for c in chunks] == [(0, 100)]
@@ -508,8 +513,7 @@ def test_a_parameter_that_exactly_fills_the_room_left_is_not_split():
     that room is not a multiple of the split alignment (P05)."""
     bound = 2 * SPLIT_ALIGNMENT
     params = make_params([(10,), (bound - 10,), (7,)])
-    host = HostState(pin_for=lambda device: False)
-    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    host = laid_out(params)
     chunks = plan_chunks([host.slots[p] for p in params], bound)
     assert [(c.start, c.stop) for c in chunks] == [(0, bound), (bound, bound + 7)]
     assert [(s.index, s.start, s.stop) for s in chunks[0].segments] == [
@@ -522,8 +526,7 @@ def test_prefetch_skips_chunks_larger_than_the_staging_buffers():
     """Chunks larger than the staging buffers allocated so far are not queued ahead: the
     copies would not fit (P14)."""
     params = make_params([(4 * SPLIT_ALIGNMENT,)])
-    host = HostState(pin_for=lambda device: False)
-    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    host = laid_out(params)
     slots = [host.slots[p] for p in params]
     pipeline = StagingPipeline(SPLIT_ALIGNMENT, force_staging=True)
     pipeline.prepare(plan_chunks(slots, SPLIT_ALIGNMENT))
@@ -536,8 +539,7 @@ def test_resident_chunks_take_no_staging_turn_so_the_first_staged_chunks_prefetc
     """Chunks kept resident use no staging buffer: the first staged chunks after them still
     take the buffers in order, and are the ones queued ahead of the step (P17)."""
     params = make_params([(4 * SPLIT_ALIGNMENT,)])
-    host = HostState(pin_for=lambda device: False)
-    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    host = laid_out(params)
     pipeline = StagingPipeline(SPLIT_ALIGNMENT, force_staging=True)
     pipeline.set_resident({host.arenas[0]: ResidentRanges(((0, 2 * SPLIT_ALIGNMENT),))})
     chunks = plan_chunks([host.slots[p] for p in params], SPLIT_ALIGNMENT)
@@ -557,8 +559,7 @@ def test_each_kind_of_state_takes_its_staging_buffers_in_turn_from_the_first():
     chunks of every kind are the ones queued ahead of the step."""
     n = SPLIT_ALIGNMENT
     params = make_params([(2 * n,)]) + make_params([(2 * n,)], dtype=torch.float64)
-    host = HostState(pin_for=lambda device: False)
-    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    host = laid_out(params)
     assert len(host.arenas) == 2
     pipeline = StagingPipeline(n, force_staging=True)
     chunks = plan_chunks([host.slots[p] for p in params], n)
@@ -575,8 +576,7 @@ def test_no_copies_are_queued_ahead_into_staging_buffers_released():
     """After :meth:`release` no staging buffer is held: the next step's copies are not queued
     ahead (there is nowhere to put them) until a step allocates buffers again."""
     params = make_params([(2 * SPLIT_ALIGNMENT,)])
-    host = HostState(pin_for=lambda device: False)
-    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    host = laid_out(params)
     pipeline = StagingPipeline(SPLIT_ALIGNMENT, force_staging=True)
     chunks = plan_chunks([host.slots[p] for p in params], SPLIT_ALIGNMENT)
     pipeline.prepare(chunks)
@@ -592,8 +592,7 @@ def test_copies_queued_ahead_are_dropped_when_prepare_grows_the_buffers():
     chunk this step) is loaded again into the new buffer, not updated from it unfilled (P10)."""
     n = SPLIT_ALIGNMENT
     params = make_params([(n,)] * 4)
-    host = HostState(pin_for=lambda device: False)
-    host.adopt(host.allocate([(p, ("exp_avg", "exp_avg_sq")) for p in params]))
+    host = laid_out(params)
     for buffer in host.arenas[0].buffers.values():
         buffer.zero_()
     slots = [host.slots[p] for p in params]
@@ -719,7 +718,7 @@ def test_release_of_a_pinned_arena_waits_for_its_last_write_and_its_last_read(mo
             waited.append((self.name, len(unregistered)))
 
     layout = host_state.ParamLayout.of(torch.zeros(300))
-    arena = host_state.Arena([layout], ("exp_avg", "exp_avg_sq"), torch.float32, pin=True)
+    arena = host_state.Arena([layout], MOMENTS, torch.float32, pin=True)
     assert arena.pinned
     arena.written_by(Copy("write"))
     arena.read_by(Copy("read"))
