@@ -921,7 +921,7 @@ def _parse_resident(text: str) -> float | int | str:
         return text
     try:
         share = float(text[:-1]) / 100 if text.endswith("%") else None
-        value = float(text) if share is None and not text.rstrip().endswith("b") else None
+        value = float(text) if share is None and not text.endswith("b") else None
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"not a resident share or size: {text!r} ({hint})"
