@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,16 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
 
 
 SHAPES = [(300, 7), (5,), (1000,), (13, 17), (2, 3, 4, 5)]
+
+
+@contextlib.contextmanager
+def accelerator_seen() -> Iterator[None]:
+    """An accelerator "available" only inside: the optimizer decides there whether to pin, and
+    torch's AdamW step outside asks an available accelerator for its stream, which a CUDA build
+    of torch without a GPU cannot answer."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.accelerator, "is_available", lambda: True)
+        yield
 
 
 def make_params(

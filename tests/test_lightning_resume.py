@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same, assert_state_offloaded
+from conftest import accelerator_seen, assert_same, assert_state_offloaded
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_models import TinyModel, trainer
 
@@ -153,13 +153,12 @@ def test_metadata_records_each_offload_optimizers_own_settings():
     ]
 
 
-def test_metadata_records_whether_the_host_state_is_pinned(monkeypatch):
+def test_metadata_records_whether_the_host_state_is_pinned():
     """``pin_memory`` is the optimizer's own (resolved) setting, apart from the others: pinned
     where an accelerator is available (as in a GPU run), not pinned where staging is forced on
     the CPU."""
     params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
-    with monkeypatch.context() as patch:
-        patch.setattr(torch.accelerator, "is_available", lambda: True)
+    with accelerator_seen():
         pinned = OffloadAdamW([params[0]], pin_memory=None)  # built only: nothing pinned yet
     staged = OffloadAdamW([params[1]], pin_memory=False, force_staging=True)
     assert (pinned.pin_memory, staged.pin_memory) == (True, False)

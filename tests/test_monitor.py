@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import assert_same
+from conftest import accelerator_seen, assert_same
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning_models import AtTrainEnd, TinyModel, TwoOptimizerModel, trainer
@@ -355,8 +355,7 @@ class PinningModel(TinyModel):
     def configure_optimizers(self):
         # Only the optimizer's construction sees the patch (it decides there whether to pin);
         # Lightning's accelerator handling and the DataLoader never do.
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(torch.accelerator, "is_available", lambda: True)
+        with accelerator_seen():
             optimizer = super().configure_optimizers()
         assert optimizer.pin_memory  # it will try to pin its host buffers
         return optimizer
@@ -530,8 +529,7 @@ def test_host_pinned_is_one_only_when_every_optimizer_is_pinned(tmp_path, monkey
 
     class HalfPinned(TwoOptimizerModel):
         def configure_optimizers(self):
-            with pytest.MonkeyPatch.context() as m:  # only the first decides to pin
-                m.setattr(torch.accelerator, "is_available", lambda: True)
+            with accelerator_seen():  # only the first decides to pin
                 pinned = OffloadAdamW(self.net.parameters(), lr=0.01, force_staging=True)
             pageable = OffloadAdamW(
                 self.other.parameters(), lr=0.01, force_staging=True, pin_memory=False

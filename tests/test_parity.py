@@ -13,6 +13,7 @@ import torch
 from conftest import (
     SHAPES,
     MasterCopyAdamW,
+    accelerator_seen,
     assert_same,
     assert_state_offloaded,
     clone_params,
@@ -517,16 +518,16 @@ def test_memory_efficient_adamw_passes_the_keyword_settings_on():
     assert_same(params, reference)
 
 
-def test_memory_efficient_adamw_passes_pin_memory_and_enabled_on(monkeypatch):
+def test_memory_efficient_adamw_passes_pin_memory_and_enabled_on():
     """The legacy name's last two positional arguments reach OffloadAdamW as given: with an
     accelerator present, ``pin_memory=False`` is not taken for the default (pin), and
     ``enabled=False`` gives a disabled optimizer."""
     from lightning_offload_optim import MemoryEfficientAdamW
 
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # None would pin
     args = (0.01, (0.9, 0.999), 1e-8, 0.01, False)
-    assert MemoryEfficientAdamW(make_params(), *args, False).pin_memory is False
-    assert MemoryEfficientAdamW(make_params(), *args, None).pin_memory is True
+    with accelerator_seen():  # where None would pin
+        assert MemoryEfficientAdamW(make_params(), *args, False).pin_memory is False
+        assert MemoryEfficientAdamW(make_params(), *args, None).pin_memory is True
     assert MemoryEfficientAdamW(make_params(), *args, None, False).enabled is False
 
 

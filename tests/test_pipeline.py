@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from conftest import (
+    accelerator_seen,
     assert_same,
     assert_state_offloaded,
     clone_params,
@@ -344,13 +345,13 @@ def test_pinned_buffers_freed_during_a_graph_capture_are_released_after_it(monke
     captured, and garbage collection may free an arena inside a capture
     (``torch.compile(mode="reduce-overhead")``): its release waits for the next pinned arena
     made outside a capture."""
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     capturing = [False]
     unregistered = fake_cuda_pinning(monkeypatch, capturing)
 
     def trained_pinned() -> tuple[OffloadAdamW, list[int]]:
         params = make_params()
-        opt = OffloadAdamW(params, force_staging=True, chunk_size=64, pin_memory=True)
+        with accelerator_seen():
+            opt = OffloadAdamW(params, force_staging=True, chunk_size=64, pin_memory=True)
         step_together([opt], [params], torch.Generator().manual_seed(0), 1)
         pointers = [b.data_ptr() for a in opt._host.arenas for b in a.buffers.values()]
         assert opt.memory_stats()["pinned"] and pointers
@@ -400,16 +401,12 @@ def test_a_release_run_during_another_takes_each_deferred_buffer_once(monkeypatc
     assert sorted(unregistered) == [1, 2]
 
 
-def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
+def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning():
     """Hosts that cap pinned memory: the state stays pageable, training goes on exactly."""
     params = make_params()
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
     with pytest.warns(UserWarning) as warned:
-        # An accelerator is "available" only while the optimizer decides to pin: torch's
-        # AdamW step asks the accelerator for its stream when one is, which a CUDA build of
-        # torch without a GPU cannot answer.
-        with monkeypatch.context() as patch:
-            patch.setattr(torch.accelerator, "is_available", lambda: True)
+        with accelerator_seen():
             opt = OffloadAdamW(params[:3], force_staging=True, chunk_size=64)
         assert opt.pin_memory is True
         torch_opt = torch.optim.AdamW(reference[:3], fused=True)
@@ -424,12 +421,12 @@ def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(monkeypa
     assert_same(params, reference)
 
 
-def test_pinning_failure_warns_once_across_loads(monkeypatch):
+def test_pinning_failure_warns_once_across_loads():
     """A load lays the state out afresh: it must not retry pinning or warn again."""
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     params = make_params()
     with pytest.warns(UserWarning) as warned:
-        opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+        with accelerator_seen():
+            opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
         step_together([opt], [params], torch.Generator().manual_seed(0), 1)
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         step_together([opt], [params], torch.Generator().manual_seed(1), 1)
@@ -443,7 +440,6 @@ def test_a_host_refusing_to_keep_pinned_pages_out_of_forks_falls_back_to_pageabl
     as torch AdamW does (an advice value no kernel knows stands in for the refusal)."""
     from lightning_offload_optim import host_state
 
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     registered = []
     monkeypatch.setattr(
         host_state,
@@ -455,7 +451,8 @@ def test_a_host_refusing_to_keep_pinned_pages_out_of_forks_falls_back_to_pageabl
     monkeypatch.setattr(host_state.mmap, "MADV_DONTFORK", 12345)
     params = make_params()
     reference = clone_params(params)
-    opt = OffloadAdamW(params, force_staging=True, chunk_size=64, pin_memory=True)
+    with accelerator_seen():
+        opt = OffloadAdamW(params, force_staging=True, chunk_size=64, pin_memory=True)
     torch_opt = torch.optim.AdamW(reference, fused=True)
     with pytest.warns(UserWarning, match="could not pin host memory.*madvise"):
         step_together([opt, torch_opt], [params, reference], torch.Generator().manual_seed(2), 2)
@@ -468,14 +465,13 @@ def test_host_out_of_memory_is_not_taken_for_a_pinning_failure(monkeypatch):
     error (silently retrying pageable would hide it and disable pinning for the run)."""
     from lightning_offload_optim import host_state
 
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("simulated: DefaultCPUAllocator: can't allocate memory")
 
     monkeypatch.setattr(host_state, "_pinned_empty", out_of_memory)
     params = make_params()
-    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    with accelerator_seen():
+        opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
     set_grads([params], torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -733,12 +729,12 @@ def test_an_arena_of_empty_parameters_pins_nothing(monkeypatch):
     """A kind of state held only by zero-element parameters (a complex or bf16 tensor of shape
     (0, n) beside float ones) lays out no memory: asking to pin it must not map or register
     zero bytes (mmap refuses a zero length), and the step is still torch AdamW's."""
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     unregistered = fake_cuda_pinning(monkeypatch, [False])
     values = [torch.randn(40, 3), torch.zeros(0, 5, dtype=torch.complex64)]
     params = [torch.nn.Parameter(v.clone()) for v in values]
     reference = [torch.nn.Parameter(v.clone()) for v in values]
-    ours = OffloadAdamW(params, force_staging=True, chunk_size=64, pin_memory=True)
+    with accelerator_seen():
+        ours = OffloadAdamW(params, force_staging=True, chunk_size=64, pin_memory=True)
     theirs = torch.optim.AdamW(reference, foreach=False)
     step_together([ours, theirs], [params, reference], torch.Generator().manual_seed(0), 3)
     assert_same(params, reference)
