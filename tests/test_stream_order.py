@@ -23,7 +23,7 @@ from stream_checker import StreamChecker
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import lightning_offload_optim.pipeline
-from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim import OffloadAdamW, host_state
 from lightning_offload_optim import adamw as adamw_module
 from lightning_offload_optim.host_state import own_storage_view
 from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, StepRecord
@@ -343,3 +343,274 @@ def test_a_storage_starting_where_a_host_buffer_ends_is_not_that_buffer():
     last = own_storage_view(memory[31:]).untyped_storage()
     assert checker._host_alias(last) == (start, 124)
     assert checker._host_alias(own_storage_view(memory[32:]).untyped_storage()) is None
+
+
+# ----------------------------------------------------------- the checker's own model, directly
+# Tiny scenarios on simulated streams (``torch.cpu``'s, which the checker replaces), each
+# pinning down one rule of the model that the pipeline's scenarios above do not exercise on
+# their own (found by a mutation run of stream_checker.py).
+
+
+def _written_on(
+    stream: torch.Stream, numel: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Device memory allocated and written by ``stream``."""
+    with torch.cpu.stream(stream):
+        return torch.zeros(numel, dtype=dtype)
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+def test_an_event_is_done_only_once_the_host_waited_for_it_and_only_then_timed():
+    """``query()`` says done only after the host waited (the device may always be behind), and
+    ``elapsed_time`` refuses, as CUDA's does, events not done, not recorded or not timed: the
+    step statistics must wait for (or poll) the ends of their spans."""
+    with StreamChecker():
+        side = torch.cpu.Stream()
+        begin, end = torch.cpu.Event(enable_timing=True), torch.cpu.Event(enable_timing=True)
+        untimed = torch.cpu.Event()
+        assert end.query()  # not recorded: nothing to wait for
+        with torch.cpu.stream(side):
+            begin.record()
+            torch.zeros(8)
+            end.record()
+            untimed.record()
+        assert not end.query() and not untimed.query()
+        with pytest.raises(RuntimeError, match="not done yet"):
+            begin.elapsed_time(end)
+        end.synchronize()
+        assert end.query() and untimed.query()
+        assert begin.elapsed_time(end) >= 0
+        for first, second in ((begin, untimed), (untimed, end)):
+            with pytest.raises(RuntimeError, match="enable_timing"):
+                first.elapsed_time(second)
+        never = torch.cpu.Event(enable_timing=True)
+        with pytest.raises(RuntimeError, match="not recorded"):
+            begin.elapsed_time(never)
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+@pytest.mark.parametrize(
+    ("dtype", "write", "read", "conflicts"),
+    [
+        (torch.float32, lambda x: x[0:4].fill_(1), lambda x: x[3:8].sum(), True),
+        (torch.float32, lambda x: x[0:4].fill_(1), lambda x: x[4:8].sum(), False),
+        (torch.uint8, lambda x: x[0:4].fill_(1), lambda x: x[3:8].sum(), True),
+        (
+            torch.float32,
+            lambda x: x.view(4, 4)[:, 1].fill_(1),
+            lambda x: x.view(4, 4)[3].sum(),
+            True,
+        ),
+        (torch.float32, lambda x: x.view(4, 4)[:, 1].fill_(1), lambda x: x[14:].sum(), False),
+        (torch.float32, lambda x: x[5:6].fill_(1), lambda x: x[5].sum(), True),
+    ],
+    ids=["one-element-apart", "adjacent", "one-byte", "strided", "between-strides", "one-element"],
+)
+def test_accesses_conflict_exactly_where_their_bytes_overlap(dtype, write, read, conflicts):
+    """Chunks are slices of a few large buffers: two accesses conflict iff their byte ranges
+    overlap, by as little as one byte (or one element of a strided view), and not when they
+    only touch."""
+    with StreamChecker() as checker:
+        side = torch.cpu.Stream()
+        x = torch.zeros(16, dtype=dtype)
+        side.wait_event(torch.cpu.current_stream().record_event())
+        with torch.cpu.stream(side):
+            write(x)
+        read(x)  # on the compute stream, with no wait for the side stream
+    assert len(checker.violations) == (1 if conflicts else 0), checker.violations
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+def test_an_in_place_ops_result_is_the_memory_it_wrote_not_fresh_memory():
+    """In-place ops return their (view) argument: that result keeps the history of its bytes,
+    which only a fresh allocation forgets, also for a view at an offset into its storage."""
+    with StreamChecker() as checker:
+        x = _written_on(torch.cpu.Stream(), 8)
+        x[4:].add_(1)  # on the compute stream, with no wait for the side stream's write
+    assert len(checker.violations) == 1 and "add_ on compute stream writes" in checker.violations[0]
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+@pytest.mark.parametrize("later", ["own-read", "own-partial-write", "other-streams-read"])
+def test_later_accesses_forget_only_what_they_cover_for_their_own_stream(later):
+    """A stream's history of a range is kept short: an access replaces only its own stream's
+    earlier accesses that it covers and that are no more than it (a read never replaces a
+    write). Another stream's access, or one covering part of an earlier one, replaces nothing:
+    the earlier access still conflicts with what is not ordered after it."""
+    with StreamChecker() as checker:
+        side, other = torch.cpu.Stream(), torch.cpu.Stream()
+        x = _written_on(side, 12)
+        if later == "own-read":
+            with torch.cpu.stream(side):
+                x.sum()
+            x.sum()  # on the compute stream, not ordered after the side stream's write
+        elif later == "own-partial-write":
+            with torch.cpu.stream(side):
+                x[4:].fill_(1)
+            x[:4].sum()  # reads what only the first write wrote
+        else:
+            made = side.record_event()
+            other.wait_event(made)
+            with torch.cpu.stream(side):
+                x.sum()
+            with torch.cpu.stream(other):
+                x.sum()
+            checker.current.wait_event(other.record_event())
+            x.fill_(0)  # ordered after the other stream's read, not the side stream's
+    assert len(checker.violations) == 1, checker.violations
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+def test_a_new_host_buffer_forgets_only_its_own_memory():
+    """Host buffers allocated between two conflicting accesses of other memory change nothing
+    about them."""
+    with StreamChecker() as checker:
+        x = _written_on(torch.cpu.Stream(), 8)
+        host_state.host_empty(64, torch.float32)
+        x.sum()
+    assert len(checker.violations) == 1
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+def test_the_host_is_not_ordered_after_work_queued_on_its_current_stream():
+    """Queued work runs later: the host reading a host buffer that a non-blocking copy queued
+    on the current stream writes must first wait for it, as the copy-outs are waited for."""
+    with StreamChecker() as checker:
+        buffer = host_state.host_empty(8, torch.float32)
+        torch.cpu.Stream()  # another stream exists
+        buffer.copy_(torch.ones(8), non_blocking=True)  # queued on the compute stream
+        buffer.mul_(2.0)  # on the host
+    assert len(checker.violations) == 1
+    assert "mul_ on the host writes host buffer" in checker.violations[0]
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+def test_a_clone_reads_its_argument():
+    """Only views read no data: ``clone`` (as ``state_dict()`` copies are made) reads what it
+    copies."""
+    with StreamChecker() as checker:
+        x = _written_on(torch.cpu.Stream(), 8)
+        x.clone()  # on the compute stream, with no wait for the side stream
+    assert len(checker.violations) == 1 and "clone on compute stream reads" in checker.violations[0]
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+def test_a_tensor_passed_as_a_keyword_out_argument_is_written():
+    """``out=`` is a keyword argument of the op (``torch.where(..., out=master)`` in the
+    update): the tensor passed is written, not fresh memory."""
+    with StreamChecker() as checker:
+        side = torch.cpu.Stream()
+        x, out = torch.zeros(8), torch.zeros(8)
+        side.wait_event(torch.cpu.current_stream().record_event())
+        with torch.cpu.stream(side):
+            out.sum()
+        torch.add(x, 1, out=out)  # on the compute stream, not ordered after the read
+    assert len(checker.violations) == 1 and "add on compute stream writes" in checker.violations[0]
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+@pytest.mark.parametrize(
+    ("access", "waits"),
+    [
+        (lambda buffer: torch.empty(8).copy_(buffer), True),
+        (lambda buffer: torch.empty(8).copy_(buffer, non_blocking=True), False),
+        (lambda buffer: buffer.to(torch.float64), True),
+        (lambda buffer: buffer.to(torch.float64, non_blocking=True), False),
+        (
+            lambda buffer: (torch.empty(8).copy_(buffer, non_blocking=True), torch.ones(1).item()),
+            True,
+        ),
+    ],
+    ids=["copy", "non-blocking-copy", "to", "non-blocking-to", "item"],
+)
+def test_the_host_waits_for_synchronous_copies_and_python_values(access, waits):
+    """Queued work that touches host memory without ``non_blocking=True``, or returns a Python
+    value, blocks the host until it ran: the host's next write of the buffer is ordered after
+    the read; a non-blocking copy leaves them unordered."""
+    with StreamChecker() as checker:
+        buffer = host_state.host_empty(8, torch.float32)
+        access(buffer)  # queued on the compute stream: it reads device memory as well
+        buffer.fill_(1.0)  # on the host
+    assert len(checker.violations) == (0 if waits else 1), checker.violations
+
+
+def _freed_after_a_side_streams_read(wait: bool, record: bool) -> None:
+    side = torch.cpu.Stream()
+    x = torch.zeros(8)  # allocated on the compute stream
+    side.wait_event(torch.cpu.current_stream().record_event())
+    with torch.cpu.stream(side):
+        x.sum()
+    if record:
+        x.record_stream(side)
+    if wait:
+        torch.cpu.current_stream().wait_event(side.record_event())
+    del x
+    torch.zeros(8)  # the compute stream's next allocation may reuse x's memory
+
+
+def _freed_by_the_compute_stream_after_its_read_of_side_stream_memory() -> None:
+    side = torch.cpu.Stream()
+    with torch.cpu.stream(side):
+        x = torch.zeros(8)  # the side stream's memory
+    torch.cpu.current_stream().wait_event(side.record_event())
+    x.sum()  # on the compute stream
+    del x  # freed while the compute stream is current: still the side stream's memory
+    with torch.cpu.stream(side):
+        torch.zeros(8)
+
+
+def _recorded_for_another_stream_than_the_one_reading() -> None:
+    side, recorded = torch.cpu.Stream(), torch.cpu.Stream()
+    x = torch.zeros(8)
+    x.record_stream(recorded)  # before the side stream's use (as used_by_side_streams does)
+    side.wait_event(torch.cpu.current_stream().record_event())
+    with torch.cpu.stream(side):
+        x.sum()
+    del x
+    torch.zeros(8)
+
+
+def _two_frees_the_second_unordered() -> None:
+    first, second = torch.cpu.Stream(), torch.cpu.Stream()
+    x, y = torch.zeros(8), torch.zeros(8)
+    made = torch.cpu.current_stream().record_event()
+    first.wait_event(made)
+    second.wait_event(made)
+    with torch.cpu.stream(first):
+        x.sum()
+    with torch.cpu.stream(second):
+        y.sum()
+    torch.cpu.current_stream().wait_event(first.record_event())
+    del x, y
+    torch.zeros(8)
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+@pytest.mark.parametrize(
+    ("scenario", "reported"),
+    [
+        (lambda: _freed_after_a_side_streams_read(wait=False, record=False), 1),
+        (lambda: _freed_after_a_side_streams_read(wait=True, record=False), 0),
+        (lambda: _freed_after_a_side_streams_read(wait=False, record=True), 0),
+        (_freed_by_the_compute_stream_after_its_read_of_side_stream_memory, 1),
+        (_recorded_for_another_stream_than_the_one_reading, 1),
+        (_two_frees_the_second_unordered, 1),
+    ],
+    ids=[
+        "unordered",
+        "waited-for",
+        "recorded",
+        "allocating-stream",
+        "other-stream-recorded",
+        "two-frees",
+    ],
+)
+def test_freed_device_memory_is_reused_only_after_other_streams_uses(scenario, reported):
+    """The caching allocator hands freed memory to the next allocation of the stream that
+    allocated it (whichever stream is current at the free): each other stream's use must be
+    ordered before that allocation, or that very stream named by ``record_stream``; every
+    such use is checked, not just the first freed."""
+    with StreamChecker() as checker:
+        scenario()
+    assert len(checker.violations) == reported, checker.violations
+    assert all("was free for the next allocation" in v for v in checker.violations)
