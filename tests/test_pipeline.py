@@ -105,8 +105,8 @@ def test_a_chunk_never_runs_on_into_the_state_of_another_arena(mode):
     parameter of the next arena starts at the offset the last chunk of the previous one
     stops at, it still starts a chunk in its own arena, and the step is torch AdamW's."""
     generator = torch.Generator().manual_seed(0)
-    values = [torch.randn(100, generator=generator, dtype=d) for d in [torch.float32] * 2]
-    values += [torch.randn(100, generator=generator, dtype=torch.float64) for _ in range(2)]
+    dtypes = [torch.float32] * 2 + [torch.float64] * 2
+    values = [torch.randn(100, generator=generator, dtype=d) for d in dtypes]
     params = [torch.nn.Parameter(v.clone()) for v in values]
     reference = [torch.nn.Parameter(v.clone()) for v in values]
     ours = OffloadAdamW(params, **mode)
