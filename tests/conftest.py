@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,11 @@ def forked_child_memory_map() -> list[tuple[int, int]]:
     """The address ranges mapped in a child forked now (it waits, untouched, while the parent
     reads them; anything it did first could map memory where the parent's was)."""
     read, write = os.pipe()
-    child = os.fork()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns that forking a threaded process may deadlock the child; this child
+        # makes only system calls (close, read, _exit), which take no lock another thread held.
+        warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+        child = os.fork()
     if child == 0:
         os.close(write)
         os.read(read, 1)
