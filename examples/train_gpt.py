@@ -4,7 +4,7 @@ Two lines make a Lightning project offload its optimizer state: inherit ``Offloa
 (first) and add ``OffloadMonitor()`` to the Trainer. The model is a character-level decoder-only
 Transformer trained on text that ships with Python (a few standard-library modules' sources).
 
-    python examples/train_gpt.py                 # CPU: 35 s on 2 idle cores; logs: ./lightning_logs
+    python examples/train_gpt.py                 # CPU: 35-65 s on 2 cores; logs: ./lightning_logs
     python examples/train_gpt.py --logger tensorboard --max-steps 500
     python examples/train_gpt.py --accelerator gpu --d-model 1024 --layers 12   # on a GPU
 
