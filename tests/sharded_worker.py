@@ -232,6 +232,25 @@ def fsdp_overlapped(layout: str, without: str | None = None) -> Callable:
     return run
 
 
+#: tests/test_randomized.py's scenarios on 2 ranks: layers 1 wide leave rank 1 empty shards,
+#: byte budgets for the resident share count each rank's own state, and the checker simulates
+#: FSDP2's all-gather streams beside the overlap's.
+RANDOM_SEEDS = range(6)
+
+
+def random_scenario(seed: int) -> Callable:
+    def run(mesh) -> dict:
+        import stream_checker
+        from test_randomized import run_scenario
+
+        with stream_checker.StreamChecker() as checker:
+            run_scenario(seed, torch.device("cpu"), mesh)  # asserts bit-identical results
+        checker.expect_none()
+        return {}
+
+    return run
+
+
 def fsdp_mixed_precision_policy(mesh) -> dict:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return fsdp_pair(
@@ -713,6 +732,7 @@ def scenarios(phase: str, out: Path) -> dict[str, Callable]:
         "replicated_dtensors": loaded_as(
             lambda t: t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
         ),
+        **{f"random_{seed}": random_scenario(seed) for seed in RANDOM_SEEDS},
     }
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_same, run_script
+from sharded_worker import RANDOM_SEEDS
 
 from lightning_offload_optim import plan
 
@@ -77,6 +78,14 @@ def results(runs, phase: str, scenario: str) -> list[dict]:
 def test_two_ranks_bit_identical_to_torch_adamw(runs, scenario):
     for result in results(runs, "all", scenario):
         assert_same(result["ours"], result["reference"])
+
+
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_random_scenarios_on_two_ranks_match_torch_adamw(runs, seed):
+    """``tests/test_randomized.py``'s scenario ``seed`` under FSDP2 on 2 ranks, under the stream
+    checker: parameters and state bit-identical to torch's (the worker asserts it, on every
+    rank), no unordered access."""
+    results(runs, "all", f"random_{seed}")
 
 
 @pytest.mark.parametrize(("phase", "scenario"), [("save", "save_for_2"), ("load2", "load_from_2")])
