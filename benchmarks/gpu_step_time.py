@@ -50,8 +50,7 @@ def bandwidth(
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
-    for pointer in pointers:  # the copies are done (end.synchronize)
-        host_state._cuda_host_unregister(pointer)
+    host_state._release_pinned(pointers, [], [host])  # the copies are done (end.synchronize)
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
