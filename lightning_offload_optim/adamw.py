@@ -511,9 +511,14 @@ class OffloadAdamW(torch.optim.AdamW):
 
     @_outside_inference_mode
     def _prefetch(self) -> None:
-        """Queue the copy-in of the last step's first chunks (called after a forward pass)."""
+        """Queue the copy-in of the last step's first chunks (called after a forward pass).
+        The pass may run inside a ``torch.func`` transform (per-sample gradients), which would
+        refuse the copies as in-place writes into captured tensors: they copy optimizer state,
+        which no transform differentiates or batches, so they run outside it (as torch's own
+        RNG state copies do)."""
         if self._interrupted is None and self._next_chunks:
-            self._pipeline.prefetch(self._next_chunks)
+            with torch._C._DisableFuncTorch():
+                self._pipeline.prefetch(self._next_chunks)
 
     def _overlapping(self) -> ForwardOverlap | None:
         overlap = self._overlap

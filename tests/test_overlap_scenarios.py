@@ -548,6 +548,55 @@ def test_activation_checkpointing_plain(stream_order, resident, set_to_none):
     assert_same(list(model.parameters()), list(twin.parameters()))
 
 
+def func_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: str):
+    """The loss and the gradients of ``model``'s parameters at ``x``, computed by a
+    ``torch.func`` transform over ``functional_call`` (per-sample and averaged for ``vmap``)."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(torch.func.functional_call(model, p, (xb,)), yb)
+
+    if how == "vmap-grad":  # per-sample gradients, as DP-SGD computes them
+        per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))
+        grads = per_sample(params, x.unsqueeze(1), y.unsqueeze(1))
+        return loss(params, x, y), {name: g.mean(0) for name, g in grads.items()}
+    if how == "vjp":
+        value, pull_back = torch.func.vjp(lambda p: loss(p, x, y), params)
+        return value, pull_back(torch.ones(()))[0]
+    grads, value = torch.func.grad_and_value(loss)(params, x, y)
+    return value, grads
+
+
+@pytest.mark.parametrize("resident", RESIDENT, ids=RESIDENT_IDS)
+@pytest.mark.parametrize("how", ["grad", "vmap-grad", "vjp"])
+def test_forward_passes_inside_torch_func_transforms(stream_order, resident, how):
+    """The forward runs inside a ``torch.func`` transform (per-sample gradients, a functional
+    training loop): the overlap's hook after it queues the next step's first copies, which
+    functorch refused as an in-place write into a tensor captured by the transform."""
+    model, twin = (
+        nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+        for _ in range(2)
+    )
+    twin.load_state_dict(model.state_dict())
+    optimizer, torch_opt = overlapped_pair(model, twin, lr=0.02, resident=resident)
+    generator = torch.Generator().manual_seed(7)
+    losses: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    for _ in range(4):
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+        for k, (net, opt) in enumerate(((model, optimizer), (twin, torch_opt))):
+            loss, grads = func_gradients(net, x, y, how)
+            losses[k].append(loss.detach().clone())
+            for name, param in net.named_parameters():
+                param.grad = grads[name]
+            opt.step()
+            opt.zero_grad()
+    stream_order.expect_none()
+    assert_resident_as_asked(optimizer)
+    optimizer.wait_for_updates()
+    assert_losses_equal(losses[0], losses[1])
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
 # ------------------------------------------- 4. an evaluation forward between step and forward
 class EvalNet(nn.Module):
     """BatchNorm and dropout behave differently in eval mode; ``encoder`` is evaluated alone
