@@ -386,6 +386,28 @@ def test_hparams_init_takes_but_did_not_save_are_named_in_a_warning():
         Configured(lr=3e-4).configure_optimizers()  # saved, or not taken: no warning
 
 
+def test_a_module_class_made_per_trial_is_not_kept_alive():
+    """A sweep that defines its module class per trial (or builds it with ``type()``): once its
+    models and optimizers are dropped, nothing of the mixin's keeps the class (a cache of the
+    classes whose ``__init__`` it read for the forgotten-hparams warning did), nor what the
+    class holds."""
+    import gc
+    import weakref
+
+    def trial() -> weakref.ref:
+        class PerTrial(OffloadOptimizerMixin, pl.LightningModule):
+            def __init__(self, depth: int = 2) -> None:
+                super().__init__()
+                self.linear = torch.nn.Linear(4, 4)
+
+        PerTrial().configure_optimizers()  # reads the defaults: hparams saved none
+        return weakref.ref(PerTrial)
+
+    classes = [trial() for _ in range(3)]
+    gc.collect()
+    assert [c() for c in classes] == [None, None, None]
+
+
 def test_defaults_leave_resident_and_chunk_size_to_the_optimizer():
     optimizer = Configured().configure_optimizers()
     assert optimizer.resident is None and optimizer.enabled is True

@@ -477,9 +477,9 @@ def _as_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
 
 
-@functools.cache
 def _init_parameters(cls: type) -> frozenset[str]:
-    """Names ``cls.__init__`` takes."""
+    """Names ``cls.__init__`` takes. Not cached: a cache would keep every class it saw alive (a
+    sweep that defines its module class per trial), for a few reads per ``fit``."""
     try:
         return frozenset(inspect.signature(cls.__init__).parameters)
     except (TypeError, ValueError):  # no signature to read (a C or wrapped __init__)
