@@ -513,7 +513,19 @@ class FailsOnce(ReadsHeadFirst):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("at_batch", [0, 2], ids=["first-batch-watched", "after-steps"])
+class RaisesAtFitStart(pl.Callback):
+    """Fails where a tuner's trial runs: in a callback's ``on_fit_start``, after the module's
+    ``configure_optimizers`` and before its ``on_fit_start``."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise RuntimeError("simulated: a tuner's trial failed")
+
+
+@pytest.mark.parametrize(
+    "at_batch",
+    [0, 2, None, "lr-finder"],
+    ids=["first-batch-watched", "after-steps", "in-a-callbacks-on_fit_start", "in-a-tuners-run"],
+)
 def test_a_fit_that_failed_leaves_the_module_copyable_and_the_retry_frees_the_old_pipeline(
     tmp_path, stream_order, at_batch
 ):
@@ -522,17 +534,19 @@ def test_a_fit_that_failed_leaves_the_module_copyable_and_the_retry_frees_the_ol
     updates; the module must still deep-copy and pickle while the Trainer lives (no hook or
     ``training_step`` watch of the overlap left on it: local functions do not pickle); and a
     retry with a new Trainer must not keep the old optimizer's pipeline (its device buffers)
-    alive."""
-    import copy
-    import gc
+    alive. Also where the fit fails before the module's ``on_fit_start`` (``at_batch=None``),
+    once ``configure_optimizers`` has put the hooks on, and in the LR finder's run, which
+    trains with callbacks of its own (``"lr-finder"``: its third batch fails)."""
     import pickle
-    import weakref
+
+    from lightning.pytorch.callbacks import LearningRateFinder
 
     FailsOnce.failed = False
     model = FailsOnce()
-    model.at_batch = at_batch
+    model.at_batch = 2 if at_batch == "lr-finder" else at_batch
     hooks_before = {name: len(m._forward_pre_hooks) for name, m in model.named_modules()}
-    first = trainer(tmp_path, max_steps=6)
+    failing = {None: [RaisesAtFitStart()], "lr-finder": [LearningRateFinder(num_training_steps=6)]}
+    first = trainer(tmp_path, max_steps=6, callbacks=failing.get(at_batch, []))
     with pytest.raises(RuntimeError, match="simulated"):
         first.fit(model)
     model.to(torch.float64)  # reads every weight
@@ -553,6 +567,58 @@ def test_a_fit_that_failed_leaves_the_module_copyable_and_the_retry_frees_the_ol
     check = OldPipeline()
     trainer(tmp_path, max_steps=2, callbacks=[check]).fit(model)
     assert not check.alive
+
+
+class ResidentFailsOnce(FailsOnce):
+    """:class:`FailsOnce` with half its state resident; ``overlap_step`` as asked."""
+
+    def __init__(self, overlap: bool) -> None:
+        super().__init__()
+        self.save_hyperparameters({"overlap_step": overlap, "offload_resident": 0.5})
+        self.states: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.states.append(copy.deepcopy(self.trainer.optimizers[0].state_dict()))
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "not-overlapped"])
+def test_a_fit_that_failed_frees_the_optimizers_device_memory(tmp_path, stream_order, overlap):
+    """A sweep's failed trial (an OOM in a training step) must not keep its staging buffers and
+    resident state on the device for the next trial: Lightning calls no ``on_train_end`` then,
+    and frees only the state it finds in ``optimizer.state``. The resident state is written
+    back first: the optimizer's state is the last step's."""
+    FailsOnce.failed = False
+    model = ResidentFailsOnce(overlap)
+    fit = trainer(tmp_path, max_steps=6)
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit.fit(model)
+    optimizer = fit.optimizers[0]
+    assert len(model.states) == 2  # two steps, then the failure
+    assert optimizer.memory_stats()["staging_bytes"] == 0
+    assert optimizer.memory_stats()["resident_bytes"] == 0
+    stream_order.expect_none()
+    last, now = model.states[-1]["state"], optimizer.state_dict()["state"]
+    assert last.keys() == now.keys()
+    for index, entry in last.items():
+        assert_same(list(entry.values()), [now[index][key] for key in entry])
+
+
+def test_a_release_that_fails_after_a_failed_fit_warns_and_keeps_the_fits_error(
+    tmp_path, monkeypatch
+):
+    """Cleaning up after a failed fit may fail too (a device in an error state): the exception
+    that ended the fit is the one raised, and a warning says what was not released."""
+
+    def broken(self: OffloadAdamW) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(OffloadAdamW, "release_device_memory", broken)
+    FailsOnce.failed = False
+    model = ResidentFailsOnce(overlap=True)
+    warned = pytest.warns(UserWarning, match=r"could not be released: RuntimeError\('device lost")
+    with warned, pytest.raises(RuntimeError, match="simulated"):
+        trainer(tmp_path, max_steps=6).fit(model)
 
 
 def test_a_backward_after_the_step_waits_for_the_updates_reading_the_gradients(stream_order):

@@ -254,11 +254,14 @@ class OffloadOptimizerMixin:
                     + ", ".join(named),
                 )
             raise
+        trainer = getattr(self, "_trainer", None)
         if optimizer.enabled:
-            _refuse_deepspeed(getattr(self, "_trainer", None))
+            _refuse_deepspeed(trainer)
         if self.offload_hparam("overlap_step") and optimizer.enabled:
             assert isinstance(self, torch.nn.Module)
             optimizer.overlap_with(self, blocks=self.offload_overlap_blocks())  # until teardown
+        if trainer is not None and optimizer.enabled:  # before any on_fit_start that may raise
+            trainer.callbacks[:] = [_FitGuard(), *_without_guards(trainer.callbacks)]
         if self.offload_hparam("no_decay_norm_and_bias"):
             assert isinstance(self, torch.nn.Module)
             split_groups_added_later(optimizer, self)
@@ -296,8 +299,8 @@ class OffloadOptimizerMixin:
         after the steps (Lightning's ``WeightAveraging``, ``EMAWeightAveraging``,
         ``StochasticWeightAveraging``): callbacks run before this module's hooks, so it would
         read weights still being updated, and waiting for them first leaves nothing to overlap.
-        Else put :class:`_WaitForUpdates` first among the callbacks. Take an lr set before the
-        first step (the LR finder's suggestion) as the schedule's peak."""
+        Take an lr set before the first step (the LR finder's suggestion) as the schedule's
+        peak."""
         trainer = getattr(self, "_trainer", None)
         averaging = _weight_averaging_callbacks(trainer.callbacks if trainer is not None else [])
         for overlap in self._offload_overlaps() if averaging else []:
@@ -313,17 +316,22 @@ class OffloadOptimizerMixin:
                 if config.scheduler.total_steps is not None:
                     config.scheduler.follow_length(_cosine_length(trainer))
                 config.scheduler.take_set_lrs_as_peaks()
-        if trainer is not None and self._offload_overlaps():
-            trainer.callbacks[:] = [_WaitForUpdates(), *_without_waits(trainer.callbacks)]
         super().on_fit_start()  # type: ignore[misc]
 
     def on_train_start(self) -> None:
-        """Watch ``training_step`` until the first step (:func:`_watch_training_step`). Each
-        training run starts here, a tuner's (``LearningRateFinder``, ``BatchSizeFinder``, which
-        run in their ``on_fit_start``, before this module's) and the real one after it."""
+        """Watch ``training_step`` until the first step (:func:`_watch_training_step`), and add
+        :class:`_FitGuard` to the run's callbacks where it is not among them: a tuner trains
+        with callbacks of its own (``LearningRateFinder`` swaps its own back only when its run
+        ends without an exception). Each training run starts here, a tuner's
+        (``LearningRateFinder``, ``BatchSizeFinder``, which run in their ``on_fit_start``,
+        before this module's) and the real one after it."""
         watched = hasattr(self.training_step, "_offload_replaced")  # a tuner's, still on
         if any(o.watching for o in self._offload_overlaps()) and not watched:
             _watch_training_step(self)
+        trainer = getattr(self, "_trainer", None)
+        callbacks = trainer.callbacks if trainer is not None else []
+        if self._offload_optimizers() and not any(isinstance(c, _FitGuard) for c in callbacks):
+            callbacks.append(_FitGuard())  # a tuner's; last: the LR finder reads its own at [0]
         super().on_train_start()  # type: ignore[misc]
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -400,13 +408,13 @@ class OffloadOptimizerMixin:
             overlap.wait_all()
 
     def teardown(self, stage: str) -> None:
-        """Remove the hooks of the trainer's optimizers' overlaps from this module, and the
-        callback that waits for their updates: a later fit makes new optimizers."""
+        """Remove the hooks of the trainer's optimizers' overlaps from this module, and
+        :class:`_FitGuard`: a later fit makes new optimizers."""
         self._end_sigint_hold()
         self._remove_offload_overlaps()
         trainer = getattr(self, "_trainer", None)
         if trainer is not None:
-            trainer.callbacks[:] = _without_waits(trainer.callbacks)
+            trainer.callbacks[:] = _without_guards(trainer.callbacks)
         super().teardown(stage)  # type: ignore[misc]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -519,11 +527,12 @@ def _refuse_deepspeed(trainer: pl.Trainer | None) -> None:
         )
 
 
-class _WaitForUpdates(pl.Callback):
-    """Put first among the trainer's callbacks for a fit with ``overlap_step``: Lightning calls
-    the callbacks' ``on_train_epoch_end`` and ``on_train_end`` before the module's, and they
-    may read the weights (a log of their norms, ``ModelPruning``). Orders them after the last
-    step's updates (on the device; the host does not block)."""
+class _FitGuard(pl.Callback):
+    """Put first among the trainer's callbacks when ``configure_optimizers`` makes an enabled
+    OffloadAdamW. Lightning calls the callbacks' ``on_train_epoch_end`` and ``on_train_end``
+    before the module's, and they may read the weights (a log of their norms,
+    ``ModelPruning``): with ``overlap_step`` it orders them after the last step's updates (on
+    the device; the host does not block). And it cleans up after a ``fit`` that raised."""
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(pl_module, OffloadOptimizerMixin):
@@ -534,14 +543,28 @@ class _WaitForUpdates(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Lightning calls no ``on_train_end`` or ``teardown`` when ``fit`` raises: the module
-        would keep the overlaps' hooks while the Trainer lives (and not pickle)."""
-        if isinstance(pl_module, OffloadOptimizerMixin):
+        """Lightning calls no ``on_train_end`` or ``teardown`` when ``fit`` raises (also in a
+        callback's ``on_fit_start``, before the module's; a tuner's trial): the module would keep
+        the overlaps' hooks while the Trainer lives (and not pickle), and the optimizers their
+        staging buffers and resident state on the device, which the next trial of a sweep needs
+        (Lightning frees only what it finds in ``optimizer.state``). A failure here is a warning:
+        the exception that ended the fit is the one to see."""
+        if not isinstance(pl_module, OffloadOptimizerMixin):
+            return
+        try:
             pl_module._remove_offload_overlaps()
+            for optimizer in pl_module._offload_optimizers():
+                optimizer.release_device_memory()  # the resident state written back first
+        except Exception as error:
+            warnings.warn(
+                f"OffloadOptimizerMixin: after the fit failed ({type(exception).__name__}), its "
+                f"optimizers' device memory could not be released: {error!r}",
+                stacklevel=2,
+            )
 
 
-def _without_waits(callbacks: list[Any]) -> list[Any]:
-    return [c for c in callbacks if not isinstance(c, _WaitForUpdates)]
+def _without_guards(callbacks: list[Any]) -> list[Any]:
+    return [c for c in callbacks if not isinstance(c, _FitGuard)]
 
 
 def _weight_averaging_callbacks(callbacks: list[Any]) -> list[Any]:
