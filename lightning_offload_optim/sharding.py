@@ -162,10 +162,10 @@ def _strided_local_part(full: Tensor, param: Tensor) -> Tensor:
     return part
 
 
-def local_source(source: Tensor, param: Tensor, where: str) -> Tensor:
+def local_source(source: Tensor, param: Tensor, what: str) -> Tensor:
     """The part of a loaded tensor (already checked to have ``param``'s global shape) that this
-    rank's state holds, as a plain tensor; raises naming the mismatch when there is none
-    without communicating."""
+    rank's state holds, as a plain tensor; raises naming the mismatch (and ``what`` was loaded,
+    the key and its parameter) when there is none without communicating."""
     if not is_dtensor(source):
         return _local_slice(source, param) if is_dtensor(param) else source
     if is_dtensor(param):
@@ -177,7 +177,7 @@ def local_source(source: Tensor, param: Tensor, where: str) -> Tensor:
     elif source.device_mesh.size() == 1:
         return local(source)
     raise ValueError(
-        f"loaded state for {where} is {describe_sharding(source)} and the parameter is "
+        f"loaded {what} is {describe_sharding(source)} and the parameter is "
         f"{describe_sharding(param)}. Load it resharded: torch.distributed.checkpoint.load into "
         "the state dict of get_optimizer_state_dict(model, optimizer) reshards while reading, "
         "or save and load a full state dict (StateDictOptions(full_state_dict=True))."

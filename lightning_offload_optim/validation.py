@@ -269,7 +269,7 @@ def _check_tensor(name: str, value: Any, param: Tensor, where: str) -> Tensor:
         )
     if value.device.type == "meta":
         raise ValueError(f"loaded {name!r} for {where} is on the meta device: it holds no values")
-    part = local_source(value, param, where)
+    part = local_source(value, param, f"{name!r} for {where}")
     if part.shape != local(param).shape:
         raise ValueError(
             f"loaded {name!r} for {where} holds a local shard of shape {tuple(part.shape)} on "
