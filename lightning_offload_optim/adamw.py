@@ -142,6 +142,21 @@ def _unwrapped(optimizer: OffloadAdamW) -> OffloadAdamW:
     return optimizer
 
 
+def _stepping_wrapper(optimizer: OffloadAdamW) -> str | None:
+    """The class of another optimizer whose ``step`` runs this step, if any: a wrapper such as
+    ``ZeroRedundancyOptimizer`` (it broadcasts the parameters), ``PostLocalSGDOptimizer`` or a
+    Lookahead (they average them) reads or writes the parameters as soon as this step returns.
+    Lightning's and Fabric's wrappers stand for this optimizer and are not counted."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "step":
+            caller = frame.f_locals.get("self")
+            if isinstance(caller, torch.optim.Optimizer) and _unwrapped(caller) is not optimizer:
+                return type(caller).__name__
+        frame = frame.f_back
+    return None
+
+
 def _on_the_optimizer(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``method`` on the optimizer a Lightning or Fabric wrapper stands for (see
     :func:`_unwrapped`). Every public method that sets an attribute of the optimizer needs it;
@@ -428,6 +443,9 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._interrupted = f"step() failed partway through its update ({_name(error)})"
                 self._pipeline.join_updates()
                 raise
+        wrapper = _stepping_wrapper(self) if overlap is not None else None
+        if overlap is not None and wrapper is not None:
+            overlap.stepped_inside(wrapper)
 
     @_on_the_optimizer
     def overlap_with(

@@ -66,6 +66,13 @@ _UNHOOKED_WARNING = (
     "module.forward(x)?"
 )
 
+_WRAPPED_WARNING = (
+    "OffloadAdamW: step() runs inside {wrapper}.step(), which reads or writes the parameters "
+    "as soon as it returns (a broadcast, an average), where no hook can order it after the "
+    "queued updates: each step now waits for its own updates, and overlap_with() saves "
+    "nothing under this wrapper."
+)
+
 
 class ForwardOverlap:
     """The forward hooks of one module for one optimizer's pipeline, and the events they wait
@@ -116,6 +123,7 @@ class ForwardOverlap:
         self._watch = _ReadWatch(self)  # notes reads until the first step
         self.early_version = 0  # changes whenever ``early`` does (chunk plans depend on it)
         self._unhooked_steps = 0  # steps in a row with no hook run since the one before
+        self._wrapper_warned = False  # stepped inside another optimizer's step
         self._handles = []
         #: Per FSDP2 unit (by id), the parameters its all-gather reads.
         self._unit_params: dict[int, list[Tensor]] = {}
@@ -285,6 +293,14 @@ class ForwardOverlap:
             self.early |= unreached
             self.early_version += 1
         self._wait(p for p in current if id(p) in self.early)
+
+    def stepped_inside(self, wrapper: str) -> None:
+        """The step just queued ran inside another optimizer's ``step`` (``wrapper``): order the
+        caller's stream after its updates at once (warned about once)."""
+        if not self._wrapper_warned:
+            self._wrapper_warned = True
+            warnings.warn(_WRAPPED_WARNING.format(wrapper=wrapper), stacklevel=5)
+        self.wait_all()
 
     def _hook_gradients(self, params: Iterable[Tensor]) -> None:
         """Hook :meth:`_before_gradient` on those of ``params`` that can get a gradient and

@@ -417,6 +417,46 @@ def zero_redundancy(mesh) -> dict:
     return result
 
 
+def zero_redundancy_overlapped(mesh) -> dict:
+    """DDP with ZeroRedundancyOptimizer(optimizer_class=OffloadAdamW), the inner optimizer
+    overlapped with the model, under the checker: ZeRO broadcasts each rank's updated
+    parameters inside its step, right after the inner step returns, so that step must wait for
+    its updates (with a warning). Same parameters as under ZeRO with torch AdamW."""
+    import warnings
+
+    import stream_checker
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    result: dict = {}
+    for name, optimizer_class, kwargs in (
+        ("ours", OffloadAdamW, HYPER | {"force_staging": True, "chunk_size": 64}),
+        ("reference", torch.optim.AdamW, HYPER | {"fused": True}),
+    ):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(
+            nn.Sequential(nn.Linear(6, 37), nn.Tanh(), nn.Linear(37, 75), nn.Linear(75, 3))
+        )
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=optimizer_class, **kwargs
+        )
+        if name == "ours":
+            zero.optim.overlap_with(model)
+        inputs = torch.Generator().manual_seed(11 + dist.get_rank())
+        with stream_checker.StreamChecker() as checker, warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(STEPS):
+                model(torch.randn(8, 6, generator=inputs)).pow(2).mean().backward()
+                zero.step()
+                zero.zero_grad()
+            if name == "ours":
+                zero.optim.wait_for_updates()
+        result[name] = [p.detach().clone() for p in model.parameters()]
+        result[f"{name}_violations"] = checker.violations[:5]
+        result[f"{name}_warnings"] = [str(warning.message) for warning in w]
+    return result
+
+
 # ------------------------------------------------------------------------------ checkpoints
 def trained(mesh, make, steps=STEPS):
     model = sharded_net(mesh)
@@ -717,6 +757,7 @@ def scenarios(phase: str, out: Path) -> dict[str, Callable]:
         "strided_shard_loads": strided_shard_loads,
         "refusals": refusals,
         "zero_redundancy": zero_redundancy,
+        "zero_redundancy_overlapped": zero_redundancy_overlapped,
         "sharded_state_dict": sharded_state_dict,
         "distributed_checkpoint": lambda mesh: distributed_checkpoint(mesh, out),
         "flattened_checkpoint": lambda mesh: flattened_checkpoint(mesh, out),

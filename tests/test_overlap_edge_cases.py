@@ -621,6 +621,50 @@ def test_a_release_that_fails_after_a_failed_fit_warns_and_keeps_the_fits_error(
         trainer(tmp_path, max_steps=6).fit(model)
 
 
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead (Zhang et al., 2019) as optimizer libraries write it: a wrapper whose ``step``
+    steps the inner optimizer, then, every ``k`` steps, moves the slow weights towards the
+    parameters and sets the parameters to them, as soon as the inner step returns."""
+
+    def __init__(self, inner: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
+        self.inner, self.k, self.alpha, self.steps = inner, k, alpha, 0
+        self.fast = [p for group in inner.param_groups for p in group["params"]]
+        self.slow = [p.detach().clone() for p in self.fast]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self.inner.step()
+        self.steps += 1
+        if self.steps % self.k == 0:
+            for slow, fast in zip(self.slow, self.fast, strict=True):
+                slow.add_(fast - slow, alpha=self.alpha)
+                fast.copy_(slow)
+
+
+def test_a_wrapping_optimizer_reading_the_weights_in_its_step_is_ordered(stream_order):
+    """A wrapper's ``step`` (Lookahead here; ``ZeroRedundancyOptimizer`` broadcasts the
+    parameters, ``PostLocalSGDOptimizer`` averages them) reads and writes the parameters as soon
+    as the inner step returns, where no hook can order it: the step waits for its own updates
+    there, with one warning, and trains as torch AdamW under the same wrapper."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    twin = copy.deepcopy(model)
+    inner, torch_inner = overlapped_pair(model, twin, lr=0.02)
+    ours, theirs = Lookahead(inner), Lookahead(torch_inner)
+    generator = torch.Generator().manual_seed(3)
+    with pytest.warns(UserWarning, match=r"runs inside Lookahead\.step\(\)") as warned:
+        for _ in range(5):
+            x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+            for net, optimizer in ((model, ours), (twin, theirs)):
+                F.mse_loss(net(x), y).backward()
+                optimizer.step()
+                optimizer.inner.zero_grad()
+    assert sum("runs inside" in str(w.message) for w in warned) == 1
+    stream_order.expect_none()
+    inner.wait_for_updates()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
 def test_a_backward_after_the_step_waits_for_the_updates_reading_the_gradients(stream_order):
     """The next micro-batch's forward runs before the step and its backward after it, with no
     ``zero_grad`` in between: the backward accumulates, in place, into gradients the queued

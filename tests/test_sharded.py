@@ -36,6 +36,7 @@ TWO_RANK_SCENARIOS = [
     ),
     "refusals",
     "zero_redundancy",
+    "zero_redundancy_overlapped",
     "sharded_state_dict",
     "distributed_checkpoint",
     "flattened_checkpoint",
@@ -198,6 +199,16 @@ def test_zero_redundancy_load_is_adopted_into_host_memory(runs):
     are moved into host buffers (and the comparison above shows they are the loaded values)."""
     for result in results(runs, "all", "zero_redundancy"):
         assert result["only_steps_are_tensors"]
+
+
+def test_zero_redundancy_over_an_overlapped_optimizer_orders_its_broadcasts(runs):
+    """ZeroRedundancyOptimizer broadcasts the updated parameters inside its step: the inner
+    overlapped step waits for its updates there (warned about once per rank), so no broadcast
+    reads a parameter before its update (the parameters match ZeRO over torch AdamW above)."""
+    for result in results(runs, "all", "zero_redundancy_overlapped"):
+        assert result["ours_violations"] == [] and result["reference_violations"] == []
+        warned = [w for w in result["ours_warnings"] if "ZeroRedundancyOptimizer.step()" in w]
+        assert len(warned) == 1 and result["reference_warnings"] == []
 
 
 def test_strict_load_of_a_checkpoint_without_master_copies_names_the_missing_key(runs):
