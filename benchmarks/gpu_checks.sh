@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, at most about 9.5 minutes: the sum of its parts' limits (20 + 45 +
+# The GPU checks in one run, at most about 10 minutes: the sum of its parts' limits (20 + 45 +
 # 170 + 50 + 40 + 140 + 90 + 35 s), the install and the header's commands (a session's 15 device
 # minutes also pay for the machine's start; each part is cut at its own limit and keeps what it
 # wrote, and killed 5 s later if it is still running: Lightning turns the first signal into an
