@@ -443,8 +443,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 self._interrupted = f"step() failed partway through its update ({_name(error)})"
                 self._pipeline.join_updates()
                 raise
-        wrapper = _stepping_wrapper(self) if overlap is not None else None
-        if overlap is not None and wrapper is not None:
+        if overlap is not None and (wrapper := _stepping_wrapper(self)) is not None:
             overlap.stepped_inside(wrapper)
 
     @_on_the_optimizer

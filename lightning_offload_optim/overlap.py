@@ -67,10 +67,10 @@ _UNHOOKED_WARNING = (
 )
 
 _WRAPPED_WARNING = (
-    "OffloadAdamW: step() runs inside {wrapper}.step(), which reads or writes the parameters "
-    "as soon as it returns (a broadcast, an average), where no hook can order it after the "
-    "queued updates: each step now waits for its own updates, and overlap_with() saves "
-    "nothing under this wrapper."
+    "OffloadAdamW: step() runs inside {wrapper}.step(), which may read or write the parameters "
+    "as soon as it returns (ZeroRedundancyOptimizer broadcasts them, PostLocalSGDOptimizer "
+    "averages them), where no hook can order it after the queued updates: each step now waits "
+    "for its own updates, and overlap_with() saves nothing under this wrapper."
 )
 
 

@@ -35,6 +35,9 @@ class WithoutSuper(Base):
     def on_train_end(self) -> None:
         pass
 
+    def setup(self, stage: str) -> None:
+        self.stage = stage
+
 
 def about_super(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
     return [w for w in caught if "does not call super" in str(w.message)]
@@ -51,7 +54,7 @@ def hooks_named(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message).split(" does not")[0] for w in caught]
 
 
-ORDERING = ("on_fit_start", "on_train_start", "on_validation_model_eval", "on_train_end")
+ORDERING = ("on_fit_start", "on_train_start", "on_validation_model_eval", "on_train_end", "setup")
 
 
 def test_overrides_without_super_are_named_at_their_own_lines():
@@ -59,16 +62,22 @@ def test_overrides_without_super_are_named_at_their_own_lines():
     assert hooks_named(caught) == [f"WithoutSuper.{hook}" for hook in ORDERING]
     line = inspect.getsourcelines(WithoutSuper.on_fit_start)[1]
     assert (caught[0].filename, caught[0].lineno) == (__file__, line)
-    assert "not ordered after the last step's updates" in str(caught[0].message)
+    assert "weight-averaging callback does not turn the overlap off" in str(caught[0].message)
     assert "not freed after fit" in str(caught[3].message)
+    assert "not freed after a fit raised, nor the overlap's hooks" in str(caught[4].message)
+    assert "not ordered after the last step's updates" in str(caught[4].message)
 
 
 @pytest.mark.parametrize(
     ("hparams", "expected"),
     [
-        ({}, ["WithoutSuper.on_train_end"]),  # no overlap: its ordering hooks are not needed
+        # no overlap: its ordering hooks are not needed
+        ({}, ["WithoutSuper.on_train_end", "WithoutSuper.setup"]),
         ({"offload_enabled": False}, []),  # torch's AdamW: nothing held on the device
-        ({"warmup_steps": 2}, ["WithoutSuper.on_fit_start", "WithoutSuper.on_train_end"]),
+        (
+            {"warmup_steps": 2},
+            ["WithoutSuper.on_fit_start", "WithoutSuper.on_train_end", "WithoutSuper.setup"],
+        ),
         ({"warmup_steps": 2, "overlap_step": True}, [f"WithoutSuper.{h}" for h in ORDERING]),
     ],
 )
@@ -173,4 +182,4 @@ def test_each_override_is_warned_about_once_under_the_default_filter():
         warnings.simplefilter("default")
         for _ in range(3):
             WithoutSuper().configure_optimizers()
-    assert hooks_named(about_super(caught)) == ["WithoutSuper.on_train_end"]
+    assert hooks_named(about_super(caught)) == ["WithoutSuper.on_train_end", "WithoutSuper.setup"]

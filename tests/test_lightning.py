@@ -368,6 +368,19 @@ def test_a_bad_warm_up_hparam_is_refused_also_without_a_schedule():
         Configured(min_lr_ratio="0.1").configure_optimizers()
 
 
+def test_a_bad_schedule_hparam_leaves_no_overlap_hooks_on_the_module():
+    """The schedule's hparams are refused before the overlap's hooks go on: while the error
+    (and its traceback, holding the optimizer) lives, the module carries none and pickles."""
+    import pickle
+
+    model = Configured(overlap_step=True, lr_schedule="linear")
+    with pytest.raises(ValueError, match="lr_schedule must be") as raised:
+        model.configure_optimizers()
+    assert raised.value is not None
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    pickle.dumps(model)
+
+
 def test_hparams_init_takes_but_did_not_save_are_named_in_a_warning():
     class Unsaved(OffloadOptimizerMixin, pl.LightningModule):
         def __init__(self, learning_rate: float = 3e-4, beta2: float = 0.95, depth: int = 2):

@@ -569,6 +569,55 @@ def test_a_fit_that_failed_leaves_the_module_copyable_and_the_retry_frees_the_ol
     assert not check.alive
 
 
+class OwnConfigureOptimizers(OffloadOptimizerMixin, pl.LightningModule):
+    """The mixin's hooks with an overlapped OffloadAdamW of the module's own making."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(16), batch_size=4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> OffloadAdamW:
+        optimizer = OffloadAdamW(self.parameters(), lr=0.02, force_staging=True, chunk_size=64)
+        optimizer.overlap_with(self)
+        return optimizer
+
+
+class ReadsWeightsAtTheEnd(pl.Callback):
+    """A log of the weights' norm at each epoch's end and training's end (as ``ModelPruning``
+    reads them there), before the module's own hooks run."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.norm = sum(p.detach().norm() for p in pl_module.parameters())
+
+    on_train_end = on_train_epoch_end
+
+
+def test_callbacks_reading_weights_at_epoch_end_wait_with_the_modules_own_optimizer(
+    tmp_path, stream_order
+):
+    """The callback that orders the others' epoch-end and end hooks after the last step's
+    updates goes first whoever makes the overlapped optimizer, and takes the hooks off when a
+    callback's ``on_fit_start`` raises."""
+    import pickle
+
+    fit = trainer(tmp_path, max_epochs=2, max_steps=-1, callbacks=[ReadsWeightsAtTheEnd()])
+    fit.fit(OwnConfigureOptimizers())
+    stream_order.expect_none()
+    model = OwnConfigureOptimizers()
+    with pytest.raises(RuntimeError, match="simulated"):
+        trainer(tmp_path, callbacks=[RaisesAtFitStart()]).fit(model)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    pickle.dumps(model)
+
+
 class ResidentFailsOnce(FailsOnce):
     """:class:`FailsOnce` with half its state resident; ``overlap_step`` as asked."""
 

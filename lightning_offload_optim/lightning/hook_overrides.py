@@ -9,7 +9,7 @@ does, and so, wrongly, do ``LightningModule.on_fit_start(self)`` and
 ``self.child.on_fit_start()``; one that calls up only through a helper of another name is
 warned about. An override under a decorator that does not ``functools.wraps`` it is not checked.
 Hooks whose loss is small are not checked: the Ctrl-C hold (which later hooks end as well),
-the checkpoint's metadata, ``setup``'s dropping of a hold a failed run left, ``teardown``'s
+the checkpoint's metadata, ``teardown``'s
 removal of the overlap's hooks (an optimizer's go with it).
 """
 
@@ -27,9 +27,8 @@ def lost_without_super(*, offloaded: bool, overlap: bool, schedule: bool) -> dic
     lost = {}
     if overlap:
         lost["on_fit_start"] = (
-            "the callbacks' on_train_epoch_end and on_train_end are not ordered after the last "
-            "step's updates, and a weight-averaging callback does not turn the overlap off: "
-            "both read weights still being updated"
+            "a weight-averaging callback does not turn the overlap off: it reads weights still "
+            "being updated"
         )
         lost["on_train_start"] = (
             "weights that training_step reads before their module's forward (a penalty on a "
@@ -41,6 +40,13 @@ def lost_without_super(*, offloaded: bool, overlap: bool, schedule: bool) -> dic
         lost["on_fit_start"] = f"{lost['on_fit_start']}; {peak}" if overlap else peak
     if offloaded:
         lost["on_train_end"] = "what the optimizers hold on the device is not freed after fit"
+        lost["setup"] = "what the optimizers hold on the device is not freed after a fit raised"
+        if overlap:
+            lost["setup"] += (
+                ", nor the overlap's hooks taken off the module; and the callbacks' "
+                "on_train_epoch_end and on_train_end are not ordered after the last step's "
+                "updates: they read weights still being updated"
+            )
     return lost
 
 

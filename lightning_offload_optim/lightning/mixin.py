@@ -117,9 +117,10 @@ class OffloadOptimizerMixin:
     arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
     run follows the current Trainer's length. With ``overlap_step``, ``on_validation_model_eval``
     waits for the queued updates, ``on_fit_start`` turns the overlap off where a
-    weight-averaging callback reads the weights after each step and puts first among the
-    trainer's callbacks one that waits before the others' ``on_train_epoch_end`` and
-    ``on_train_end`` (``teardown`` takes it out), and ``on_train_start`` watches
+    weight-averaging callback reads the weights after each step, ``setup`` puts first among
+    the trainer's callbacks one that waits before the others' ``on_train_epoch_end`` and
+    ``on_train_end`` and cleans up after a fit that raised (``teardown`` takes it out), and
+    ``on_train_start`` watches
     ``training_step`` until the first step; ``on_train_end`` frees what the optimizers hold on
     the device, and ``teardown`` removes the overlap's hooks. Where ``on_fit_start`` finds an
     lr set before the first step (``LearningRateFinder``'s suggestion), it is the schedule's
@@ -257,14 +258,7 @@ class OffloadOptimizerMixin:
         trainer = getattr(self, "_trainer", None)
         if optimizer.enabled:
             _refuse_deepspeed(trainer)
-        if self.offload_hparam("overlap_step") and optimizer.enabled:
-            assert isinstance(self, torch.nn.Module)
-            optimizer.overlap_with(self, blocks=self.offload_overlap_blocks())  # until teardown
-        if trainer is not None and optimizer.enabled:  # before any on_fit_start that may raise
-            trainer.callbacks[:] = [_FitGuard(), *_without_guards(trainer.callbacks)]
-        if self.offload_hparam("no_decay_norm_and_bias"):
-            assert isinstance(self, torch.nn.Module)
-            split_groups_added_later(optimizer, self)
+        # The schedule is checked before the overlap's hooks go on: an error leaves none.
         warmup = self.offload_hparam("warmup_steps")
         min_lr_ratio = self.offload_hparam("min_lr_ratio")
         check_schedule(warmup, None, min_lr_ratio)
@@ -272,6 +266,13 @@ class OffloadOptimizerMixin:
         if schedule not in (None, "cosine", "constant"):
             raise ValueError(f"lr_schedule must be None, 'constant' or 'cosine', got {schedule!r}")
         scheduled = warmup > 0 or schedule == "cosine"
+        total = _cosine_length(trainer) if scheduled and schedule == "cosine" else None
+        if self.offload_hparam("overlap_step") and optimizer.enabled:
+            assert isinstance(self, torch.nn.Module)
+            optimizer.overlap_with(self, blocks=self.offload_overlap_blocks())  # until teardown
+        if self.offload_hparam("no_decay_norm_and_bias"):
+            assert isinstance(self, torch.nn.Module)
+            split_groups_added_later(optimizer, self)
         lost = lost_without_super(
             offloaded=optimizer.enabled,
             overlap=optimizer._overlapping() is not None,
@@ -280,7 +281,6 @@ class OffloadOptimizerMixin:
         warn_of_overrides_without_super(type(self), OffloadOptimizerMixin, lost)
         if not scheduled:
             return optimizer
-        total = _cosine_length(getattr(self, "_trainer", None)) if schedule == "cosine" else None
         scheduler = WarmupCosineLR(optimizer, warmup, total, min_lr_ratio)
         return {
             "optimizer": optimizer,
@@ -290,8 +290,14 @@ class OffloadOptimizerMixin:
     def setup(self, stage: str) -> None:
         """Each run (``fit``, ``validate``...) starts without a Ctrl-C hold left by an earlier
         one that failed before its batch's end
-        (:func:`~lightning_offload_optim.lightning.batch_interrupt.drop_stale_ctrl_c_hold`)."""
-        drop_stale_ctrl_c_hold(getattr(self, "_trainer", None))
+        (:func:`~lightning_offload_optim.lightning.batch_interrupt.drop_stale_ctrl_c_hold`). A
+        fit puts :class:`_FitGuard` first among the trainer's callbacks, before
+        ``configure_optimizers`` (the mixin's or the module's own) can put hooks on and any
+        callback's ``on_fit_start`` can raise."""
+        trainer = getattr(self, "_trainer", None)
+        drop_stale_ctrl_c_hold(trainer)
+        if trainer is not None and stage == "fit":
+            trainer.callbacks[:] = [_FitGuard(), *_without_guards(trainer.callbacks)]
         super().setup(stage)  # type: ignore[misc]
 
     def on_fit_start(self) -> None:
@@ -319,10 +325,10 @@ class OffloadOptimizerMixin:
         super().on_fit_start()  # type: ignore[misc]
 
     def on_train_start(self) -> None:
-        """Watch ``training_step`` until the first step (:func:`_watch_training_step`), and add
-        :class:`_FitGuard` to the run's callbacks where it is not among them: a tuner trains
-        with callbacks of its own (``LearningRateFinder`` swaps its own back only when its run
-        ends without an exception). Each training run starts here, a tuner's
+        """Watch ``training_step`` until the first step (:func:`_watch_training_step`), and
+        append :class:`_FitGuard` to the run's callbacks where it is not among them: a tuner
+        trains with callbacks of its own (``LearningRateFinder`` swaps its own back only when
+        its run ends without an exception). Each training run starts here, a tuner's
         (``LearningRateFinder``, ``BatchSizeFinder``, which run in their ``on_fit_start``,
         before this module's) and the real one after it."""
         watched = hasattr(self.training_step, "_offload_replaced")  # a tuner's, still on
@@ -330,8 +336,8 @@ class OffloadOptimizerMixin:
             _watch_training_step(self)
         trainer = getattr(self, "_trainer", None)
         callbacks = trainer.callbacks if trainer is not None else []
-        if self._offload_optimizers() and not any(isinstance(c, _FitGuard) for c in callbacks):
-            callbacks.append(_FitGuard())  # a tuner's; last: the LR finder reads its own at [0]
+        if not any(isinstance(c, _FitGuard) for c in callbacks):  # a tuner's callbacks
+            callbacks.append(_FitGuard())  # last: the LR finder reads its own at [0]
         super().on_train_start()  # type: ignore[misc]
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -528,8 +534,8 @@ def _refuse_deepspeed(trainer: pl.Trainer | None) -> None:
 
 
 class _FitGuard(pl.Callback):
-    """Put first among the trainer's callbacks when ``configure_optimizers`` makes an enabled
-    OffloadAdamW. Lightning calls the callbacks' ``on_train_epoch_end`` and ``on_train_end``
+    """Put first among the trainer's callbacks by the mixin's ``setup`` for a fit. Lightning
+    calls the callbacks' ``on_train_epoch_end`` and ``on_train_end``
     before the module's, and they may read the weights (a log of their norms,
     ``ModelPruning``): with ``overlap_step`` it orders them after the last step's updates (on
     the device; the host does not block). And it cleans up after a ``fit`` that raised."""
@@ -547,18 +553,26 @@ class _FitGuard(pl.Callback):
         callback's ``on_fit_start``, before the module's; a tuner's trial): the module would keep
         the overlaps' hooks while the Trainer lives (and not pickle), and the optimizers their
         staging buffers and resident state on the device, which the next trial of a sweep needs
-        (Lightning frees only what it finds in ``optimizer.state``). A failure here is a warning:
-        the exception that ended the fit is the one to see."""
+        (Lightning frees only what it finds in ``optimizer.state``). Each part is tried on its
+        own, and a failure is a warning: the exception that ended the fit is the one to see."""
         if not isinstance(pl_module, OffloadOptimizerMixin):
             return
-        try:
-            pl_module._remove_offload_overlaps()
-            for optimizer in pl_module._offload_optimizers():
-                optimizer.release_device_memory()  # the resident state written back first
-        except Exception as error:
+        overlaps, optimizers = pl_module._offload_overlaps(), pl_module._offload_optimizers()
+        failures = []
+        # The resident state is written back to the host before its device memory is freed.
+        for clean_up in [o.remove for o in overlaps] + [
+            o.release_device_memory for o in optimizers
+        ]:
+            try:
+                clean_up()
+            except Exception as error:
+                failures.append(repr(error))
+        _unwatch_training_step(pl_module)
+        if failures:
             warnings.warn(
-                f"OffloadOptimizerMixin: after the fit failed ({type(exception).__name__}), its "
-                f"optimizers' device memory could not be released: {error!r}",
+                f"OffloadOptimizerMixin: after the fit failed ({type(exception).__name__}), the "
+                f"overlap's hooks or the optimizers' device memory could not be released: "
+                f"{'; '.join(failures)}",
                 stacklevel=2,
             )
 
