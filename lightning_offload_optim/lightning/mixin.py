@@ -266,7 +266,7 @@ class OffloadOptimizerMixin:
         if schedule not in (None, "cosine", "constant"):
             raise ValueError(f"lr_schedule must be None, 'constant' or 'cosine', got {schedule!r}")
         scheduled = warmup > 0 or schedule == "cosine"
-        total = _cosine_length(trainer) if scheduled and schedule == "cosine" else None
+        total = _cosine_length(trainer) if schedule == "cosine" else None
         if self.offload_hparam("overlap_step") and optimizer.enabled:
             assert isinstance(self, torch.nn.Module)
             optimizer.overlap_with(self, blocks=self.offload_overlap_blocks())  # until teardown
@@ -535,10 +535,10 @@ def _refuse_deepspeed(trainer: pl.Trainer | None) -> None:
 
 class _FitGuard(pl.Callback):
     """Put first among the trainer's callbacks by the mixin's ``setup`` for a fit. Lightning
-    calls the callbacks' ``on_train_epoch_end`` and ``on_train_end``
-    before the module's, and they may read the weights (a log of their norms,
-    ``ModelPruning``): with ``overlap_step`` it orders them after the last step's updates (on
-    the device; the host does not block). And it cleans up after a ``fit`` that raised."""
+    calls the callbacks' ``on_train_epoch_end`` and ``on_train_end`` before the module's, and
+    they may read the weights (a log of their norms, ``ModelPruning``): with ``overlap_step``
+    it orders them after the last step's updates (on the device; the host does not block). And
+    it cleans up after a ``fit`` that raised."""
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(pl_module, OffloadOptimizerMixin):
@@ -557,12 +557,11 @@ class _FitGuard(pl.Callback):
         own, and a failure is a warning: the exception that ended the fit is the one to see."""
         if not isinstance(pl_module, OffloadOptimizerMixin):
             return
-        overlaps, optimizers = pl_module._offload_overlaps(), pl_module._offload_optimizers()
+        clean_ups = [overlap.remove for overlap in pl_module._offload_overlaps()]
+        # Each optimizer writes its resident state back to the host before freeing it.
+        clean_ups += [o.release_device_memory for o in pl_module._offload_optimizers()]
         failures = []
-        # The resident state is written back to the host before its device memory is freed.
-        for clean_up in [o.remove for o in overlaps] + [
-            o.release_device_memory for o in optimizers
-        ]:
+        for clean_up in clean_ups:
             try:
                 clean_up()
             except Exception as error:
