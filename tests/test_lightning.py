@@ -368,13 +368,21 @@ def test_a_bad_warm_up_hparam_is_refused_also_without_a_schedule():
         Configured(min_lr_ratio="0.1").configure_optimizers()
 
 
-def test_a_bad_schedule_hparam_leaves_no_overlap_hooks_on_the_module():
+@pytest.mark.parametrize(
+    ("hparams", "refusal"),
+    [
+        ({"lr_schedule": "linear"}, "lr_schedule must be"),
+        ({"warmup_steps": -1}, "warmup_steps must be"),
+        ({"lr_schedule": "cosine"}, "needs the module attached to a Trainer"),  # no length
+    ],
+)
+def test_a_bad_schedule_hparam_leaves_no_overlap_hooks_on_the_module(hparams, refusal):
     """The schedule's hparams are refused before the overlap's hooks go on: while the error
     (and its traceback, holding the optimizer) lives, the module carries none and pickles."""
     import pickle
 
-    model = Configured(overlap_step=True, lr_schedule="linear")
-    with pytest.raises(ValueError, match="lr_schedule must be") as raised:
+    model = Configured(overlap_step=True, **hparams)
+    with pytest.raises(ValueError, match=refusal) as raised:
         model.configure_optimizers()
     assert raised.value is not None
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

@@ -40,12 +40,12 @@ def lost_without_super(*, offloaded: bool, overlap: bool, schedule: bool) -> dic
         lost["on_fit_start"] = f"{lost['on_fit_start']}; {peak}" if overlap else peak
     if offloaded:
         lost["on_train_end"] = "what the optimizers hold on the device is not freed after fit"
-        lost["setup"] = "what the optimizers hold on the device is not freed after a fit raised"
         if overlap:
-            lost["setup"] += (
-                ", nor the overlap's hooks taken off the module; and the callbacks' "
-                "on_train_epoch_end and on_train_end are not ordered after the last step's "
-                "updates: they read weights still being updated"
+            lost["setup"] = (
+                "the callbacks' on_train_epoch_end and on_train_end (ModelCheckpoint's included) "
+                "are not ordered after the last step's updates: they read weights still being "
+                "updated; and the overlap's hooks stay on the module after a fit that raised "
+                "before training started (in a callback's on_fit_start)"
             )
     return lost
 

@@ -258,7 +258,7 @@ class OffloadOptimizerMixin:
         trainer = getattr(self, "_trainer", None)
         if optimizer.enabled:
             _refuse_deepspeed(trainer)
-        # The schedule is checked before the overlap's hooks go on: an error leaves none.
+        # Checked before the overlap's hooks go on: an error (or a warning made one) leaves none.
         warmup = self.offload_hparam("warmup_steps")
         min_lr_ratio = self.offload_hparam("min_lr_ratio")
         check_schedule(warmup, None, min_lr_ratio)
@@ -267,18 +267,15 @@ class OffloadOptimizerMixin:
             raise ValueError(f"lr_schedule must be None, 'constant' or 'cosine', got {schedule!r}")
         scheduled = warmup > 0 or schedule == "cosine"
         total = _cosine_length(trainer) if schedule == "cosine" else None
-        if self.offload_hparam("overlap_step") and optimizer.enabled:
+        overlap = bool(self.offload_hparam("overlap_step")) and optimizer.enabled
+        lost = lost_without_super(offloaded=optimizer.enabled, overlap=overlap, schedule=scheduled)
+        warn_of_overrides_without_super(type(self), OffloadOptimizerMixin, lost)  # may be errors
+        if overlap:
             assert isinstance(self, torch.nn.Module)
             optimizer.overlap_with(self, blocks=self.offload_overlap_blocks())  # until teardown
         if self.offload_hparam("no_decay_norm_and_bias"):
             assert isinstance(self, torch.nn.Module)
             split_groups_added_later(optimizer, self)
-        lost = lost_without_super(
-            offloaded=optimizer.enabled,
-            overlap=optimizer._overlapping() is not None,
-            schedule=scheduled,
-        )
-        warn_of_overrides_without_super(type(self), OffloadOptimizerMixin, lost)
         if not scheduled:
             return optimizer
         scheduler = WarmupCosineLR(optimizer, warmup, total, min_lr_ratio)
