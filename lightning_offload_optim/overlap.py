@@ -33,10 +33,13 @@ run during the backward pass.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,6 +75,21 @@ _WRAPPED_WARNING = (
     "averages them), where no hook can order it after the queued updates: each step now waits "
     "for its own updates, and overlap_with() saves nothing under this wrapper."
 )
+
+
+def _warn_at_the_callers_line(message: str) -> None:
+    """``warnings.warn(message)`` attributed to the first frame outside this package, torch and
+    Lightning: the user's line that stepped, ran the forward or called ``fit`` (the depth from
+    the hook or the step varies with the wrappers in between)."""
+    inside = tuple(
+        str(Path(module.__file__).parent) + os.sep
+        for module in (sys.modules["lightning_offload_optim"], torch, sys.modules.get("lightning"))
+        if module is not None and module.__file__ is not None
+    )
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, stacklevel=level if frame is not None else 2)
 
 
 class ForwardOverlap:
@@ -280,7 +298,7 @@ class ForwardOverlap:
         if not reached:  # no forward pass seen: nothing is known to wait later (nor watched)
             self._unhooked_steps += 1
             if self._unhooked_steps == 2:
-                warnings.warn(_UNHOOKED_WARNING, stacklevel=5)
+                _warn_at_the_callers_line(_UNHOOKED_WARNING)
             self.wait_all()
             return
         self._unhooked_steps = 0
@@ -299,7 +317,7 @@ class ForwardOverlap:
         caller's stream after its updates at once (warned about once)."""
         if not self._wrapper_warned:
             self._wrapper_warned = True
-            warnings.warn(_WRAPPED_WARNING.format(wrapper=wrapper), stacklevel=5)
+            _warn_at_the_callers_line(_WRAPPED_WARNING.format(wrapper=wrapper))
         self.wait_all()
 
     def _hook_gradients(self, params: Iterable[Tensor]) -> None:
@@ -354,7 +372,7 @@ class ForwardOverlap:
             mark = self._unordered.pop(param, None)
             written += mark is not None and write_mark(param) != mark
         if written:
-            warnings.warn(_WRITTEN_WARNING.format(count=written), stacklevel=4)
+            _warn_at_the_callers_line(_WRITTEN_WARNING.format(count=written))
 
     @property
     def watching(self) -> bool:

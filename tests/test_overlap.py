@@ -170,11 +170,13 @@ def test_a_parameter_written_before_its_update_was_waited_for_is_reported(stream
     train(model, optimizer, 2)
     with torch.no_grad():
         model.norm.weight.clamp_(-0.1, 0.1)
-    with pytest.warns(UserWarning, match=r"1 parameter\(s\) were written in place after a step"):
+    written = r"1 parameter\(s\) were written in place after a step"
+    with pytest.warns(UserWarning, match=written) as warned:
         if read_by == "forward":
             model(torch.zeros(2, 3, dtype=torch.long))
         else:
             model.state_dict()
+    assert {w.filename for w in warned} == {__file__}  # the line that read, not the package's
     assert any("device memory" in v for v in stream_order.violations)
     stream_order.violations.clear()
 

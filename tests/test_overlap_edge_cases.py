@@ -709,6 +709,7 @@ def test_a_wrapping_optimizer_reading_the_weights_in_its_step_is_ordered(stream_
                 optimizer.step()
                 optimizer.inner.zero_grad()
     assert sum("runs inside" in str(w.message) for w in warned) == 1
+    assert {w.filename for w in warned if "runs inside" in str(w.message)} == {__file__}
     stream_order.expect_none()
     inner.wait_for_updates()
     assert_same(list(model.parameters()), list(twin.parameters()))
@@ -1039,6 +1040,7 @@ def test_the_unhooked_warning_is_given_once_for_a_run_of_unhooked_steps(stream_o
             ours.zero_grad()
     unhooked = [w for w in caught if "no forward hook of the overlapped module" in str(w.message)]
     assert len(unhooked) == 1
+    assert unhooked[0].filename == __file__  # the user's line that stepped, not the package's
     stream_order.expect_none()
 
 
