@@ -319,8 +319,8 @@ class MemoryPlan:
             note = (
                 f"OffloadAdamW with resident={asked} keeps {self.resident_bytes / GB:.2f} GB of "
                 f"state on {gpu} (whole parameters, in their order); it copies the other "
-                f"{copied} to the GPU and back at each step from the third on (the first two "
-                "also move the resident part)"
+                f"{copied} to the GPU and back at each step from the third on (the first moves "
+                "all of it both ways, the second also copies the resident part in)"
             )
         if self.bandwidth is not None:
             seconds = self.copied_bytes / GB / self.bandwidth
@@ -405,7 +405,8 @@ def _from_config(config: Any, name: str, dtype: torch.dtype) -> _Model:
 
     kv_heads = optional("num_key_value_heads", heads)
     head_dim = optional("head_dim", hidden // heads if heads > 0 else 0)
-    experts = optional("num_local_experts", 0)  # Mixtral's
+    # Mixtral's; its config class defaults to 8 experts, which a saved config may leave out.
+    experts = optional("num_local_experts", 8 if model_type == "mixtral" else 0)
     if min(vocab, hidden, inter, layers, heads, kv_heads, head_dim) < 1 or experts < 0:
         raise ValueError(f"config {name} has a size below 1")
     attention_bias = bool(_config_value(config, "attention_bias"))
@@ -700,6 +701,14 @@ def host_memory_here() -> int | None:
         return None
 
 
+def _byte_count(name: str, value: Any) -> int:
+    """A size in bytes of at least 1: an int, or a whole float (``8e10``, as sizes are often
+    written)."""
+    if is_number(value) and not is_int(value) and math.isfinite(value) and value == int(value):
+        value = int(value)
+    return _positive_int(name, value)
+
+
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
     if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int of at least {minimum}, got {value!r}")
@@ -716,7 +725,7 @@ def plan(
     strategy: str = "ddp",
     amsgrad: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    pin_memory: bool = True,
+    pin_memory: bool | None = True,
     unit_params: int | None = None,
     gpu_memory: int | None = None,
     host_memory: int | None = None,
@@ -740,7 +749,9 @@ def plan(
         gpus, nodes: GPUs per node and nodes; one rank per GPU.
         strategy: ``"ddp"`` (every rank holds everything) or ``"fsdp2"`` (dim 0 of every
             parameter sharded over all ranks, as ``fully_shard`` does).
-        amsgrad, chunk_size, pin_memory: as OffloadAdamW's.
+        amsgrad, chunk_size, pin_memory: as OffloadAdamW's (``pin_memory=None`` pins, as the
+            optimizer does on a GPU). One ``amsgrad`` for all parameters: a group of its own
+            with another is not planned.
         unit_params: parameters FSDP2 gathers whole at a time (one transformer layer); known
             for configs and modules (the largest ``nn.ModuleList`` element), unknown for counts.
         gpu_memory, host_memory: bytes of one GPU and of one node's RAM; default: this
@@ -777,10 +788,9 @@ def plan(
     chunk_size = _positive_int("chunk_size", chunk_size, SPLIT_ALIGNMENT)
     if unit_params is not None:
         unit_params = _positive_int("unit_params", unit_params, 0)
-    if gpu_memory is not None:
-        gpu_memory = _positive_int("gpu_memory", gpu_memory)
-    if host_memory is not None:
-        host_memory = _positive_int("host_memory", host_memory)
+    gpu_memory = None if gpu_memory is None else _byte_count("gpu_memory", gpu_memory)
+    host_memory = None if host_memory is None else _byte_count("host_memory", host_memory)
+    pin_memory = True if pin_memory is None else pin_memory
     if not is_number(headroom) or not 0 <= headroom < 1:
         raise ValueError(f"headroom must be a number in [0, 1), got {headroom!r}")
     for name, flag in (("amsgrad", amsgrad), ("pin_memory", pin_memory)):

@@ -447,6 +447,8 @@ def test_a_mixtral_config_counts_an_mlp_per_expert():
         "num_local_experts": 8,
     }
     assert plan(mixtral_8x7b, **MACHINE).parameters == 46_702_792_704
+    del mixtral_8x7b["num_local_experts"]  # transformers' MixtralConfig defaults to 8
+    assert plan(mixtral_8x7b, **MACHINE).parameters == 46_702_792_704
 
 
 # ------------------------------------------------------------------ strategies
@@ -592,6 +594,11 @@ def test_numpy_numbers_plan_as_the_python_ones():
     fitting = plan(10**6, **memories)
     assert fitting == plan(10**6, **MACHINE)
     assert fitting.offload.fits_gpu is True and type(fitting.gpu_memory) is int
+    # Sizes written as whole floats (8e10), as the parameter count may be; pin_memory=None
+    # pins, as OffloadAdamW does on a GPU.
+    written = plan(10**6, gpu_memory=8e10, host_memory=1e12)
+    assert written == plan(10**6, **MACHINE) and type(written.gpu_memory) is int
+    assert plan(10**6, pin_memory=None, **MACHINE) == plan(10**6, pin_memory=True, **MACHINE)
 
 
 # ------------------------------------------------------------------ errors
@@ -607,7 +614,8 @@ def test_numpy_numbers_plan_as_the_python_ones():
         (10, {"headroom": "0.1"}, "headroom must be a number in"),
         (10, {"headroom": None}, "headroom must be a number in"),
         (10, {"amsgrad": "no"}, "amsgrad must be True or False, got 'no'"),
-        (10, {"pin_memory": None}, "pin_memory must be True or False, got None"),
+        (10, {"pin_memory": "yes"}, "pin_memory must be True or False, got 'yes'"),
+        (10, {"gpu_memory": 8.5e10 + 0.5}, "gpu_memory must be an int of at least 1"),
         (7.5, {}, "the parameter count must be a whole number, got 7.5"),
         (float("inf"), {}, "the parameter count must be a whole number, got inf"),
         (-5, {}, "the parameter count must be at least 1"),
