@@ -509,10 +509,9 @@ def _load_model(model: Any, dtype: torch.dtype | None) -> _Model:
         dtype = PRECISIONS[DEFAULT_PRECISION]
     if isinstance(model, bool) or model is None:
         raise TypeError(f"cannot plan for {model!r}: give a count, a config or an nn.Module")
-    if is_number(model) and not is_int(model):  # 7e9, as counts are often written
-        if not math.isfinite(model) or model != int(model):
-            raise ValueError(f"the parameter count must be a whole number, got {model!r}")
-        model = int(model)
+    model = _whole(model)  # 7e9, as counts are often written
+    if is_number(model) and not is_int(model):
+        raise ValueError(f"the parameter count must be a whole number, got {model!r}")
     if is_int(model):
         if model < 1:
             raise ValueError(f"the parameter count must be at least 1, got {model}")
@@ -701,12 +700,12 @@ def host_memory_here() -> int | None:
         return None
 
 
-def _byte_count(name: str, value: Any) -> int:
-    """A size in bytes of at least 1: an int, or a whole float (``8e10``, as sizes are often
-    written)."""
+def _whole(value: Any) -> Any:
+    """``value`` as an int where it is a whole float (``7e9``, ``8e10``: counts and sizes are
+    often written so), else unchanged."""
     if is_number(value) and not is_int(value) and math.isfinite(value) and value == int(value):
-        value = int(value)
-    return _positive_int(name, value)
+        return int(value)
+    return value
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -788,8 +787,10 @@ def plan(
     chunk_size = _positive_int("chunk_size", chunk_size, SPLIT_ALIGNMENT)
     if unit_params is not None:
         unit_params = _positive_int("unit_params", unit_params, 0)
-    gpu_memory = None if gpu_memory is None else _byte_count("gpu_memory", gpu_memory)
-    host_memory = None if host_memory is None else _byte_count("host_memory", host_memory)
+    if gpu_memory is not None:
+        gpu_memory = _positive_int("gpu_memory", _whole(gpu_memory))
+    if host_memory is not None:
+        host_memory = _positive_int("host_memory", _whole(host_memory))
     pin_memory = True if pin_memory is None else pin_memory
     if not is_number(headroom) or not 0 <= headroom < 1:
         raise ValueError(f"headroom must be a number in [0, 1), got {headroom!r}")
