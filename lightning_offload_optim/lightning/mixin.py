@@ -113,21 +113,20 @@ class OffloadOptimizerMixin:
 
     Norm weights are those of torch's norm modules, of any module whose class name ends in
     ``Norm`` (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``...), and parameters whose own
-    name contains ``norm``. Override :meth:`offload_optimizer_args` to change groups or
-    arguments. The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed
-    run follows the current Trainer's length. With ``overlap_step``, ``on_validation_model_eval``
-    waits for the queued updates, ``on_fit_start`` turns the overlap off where a
-    weight-averaging callback reads the weights after each step, ``setup`` puts first among
-    the trainer's callbacks one that waits before the others' ``on_train_epoch_end`` and
-    ``on_train_end`` and cleans up after a fit that raised (``teardown`` takes it out), and
-    ``on_train_start`` watches
-    ``training_step`` until the first step; ``on_train_end`` frees what the optimizers hold on
-    the device, and ``teardown`` removes the overlap's hooks. Where ``on_fit_start`` finds an
-    lr set before the first step (``LearningRateFinder``'s suggestion), it is the schedule's
-    peak. A Ctrl-C from the first optimizer step of a batch on is raised at the end of the
-    batch (``on_before_optimizer_step`` to ``on_train_batch_end``). Call ``super()`` where you
-    override these hooks: ``configure_optimizers`` warns where an override the run needs does
-    not (:mod:`~lightning_offload_optim.lightning.hook_overrides`).
+    name contains ``norm``. Override :meth:`offload_optimizer_args` to change groups or arguments.
+    The schedule is :class:`WarmupCosineLR`, stepped every optimizer step; a resumed run follows the
+    current Trainer's length. With ``overlap_step``, ``on_validation_model_eval`` waits for the
+    queued updates, ``on_fit_start`` turns the overlap off where a weight-averaging callback reads
+    the weights after each step, ``setup`` puts first among the trainer's callbacks one that waits
+    before the others' ``on_train_epoch_end`` and ``on_train_end`` and cleans up after a fit that
+    raised (``teardown`` takes it out), and ``on_train_start`` watches ``training_step`` until the
+    first step; ``on_train_end`` frees what the optimizers hold on the device, and ``teardown``
+    removes the overlap's hooks. Where ``on_fit_start`` finds an lr set before the first step
+    (``LearningRateFinder``'s suggestion), it is the schedule's peak. A Ctrl-C from the first
+    optimizer step of a batch on is raised at the end of the batch (``on_before_optimizer_step`` to
+    ``on_train_batch_end``). Call ``super()`` where you override these hooks:
+    ``configure_optimizers`` warns where an override the run needs does not
+    (:mod:`~lightning_offload_optim.lightning.hook_overrides`).
 
     Example:
         >>> import lightning.pytorch as pl
