@@ -572,6 +572,40 @@ def test_hand_set_lr_reaches_linked_groups_in_the_same_step():
         assert used[step][2:] == pytest.approx(linked, rel=1e-12), step
 
 
+def test_tensor_lrs_keep_their_base_and_stay_tensors():
+    """A float32 tensor lr holds what the schedule writes rounded to float32: that is not an lr
+    set by hand (taken so, a group added with one had its base re-derived from the rounded
+    value at every step, drifting), and an lr given to a linked group goes into its tensor, as
+    torch's schedulers write one (it was replaced by a float)."""
+    optimizer = sgd(1.0)
+    for _ in range(2):
+        optimizer.add_param_group(
+            {"params": [param()], "lr": torch.tensor(0.1), LINKED_GROUP_KEY: 7}
+        )
+    linked_lrs = [g["lr"] for g in optimizer.param_groups[1:]]
+    scheduler = WarmupCosineLR(optimizer, warmup_steps=2, total_steps=10, min_lr_ratio=0.2)
+    bases = []
+
+    def add_and_set(step: int) -> None:
+        if step == 1:
+            lr = torch.tensor(0.3 * expected_factor(1), dtype=torch.float32)
+            optimizer.add_param_group({"params": [param()], "lr": lr})
+        if step == 4:
+            optimizer.param_groups[2]["lr"].fill_(0.4)
+        if step >= 2:
+            bases.append(scheduler.base_lrs[3])
+
+    used = run_sgd(optimizer, scheduler, 10, add_and_set)
+    assert len(set(bases)) == 1  # the added group's base, taken once
+    assert [g["lr"] for g in optimizer.param_groups[1:3]] == linked_lrs  # the same tensors
+    for step in range(10):
+        factor = expected_factor(step)
+        linked = 0.1 * factor if step < 4 else 0.4 * factor / expected_factor(4)
+        assert used[step][1:3] == pytest.approx([linked] * 2, rel=1e-6), step
+        if step >= 1:
+            assert used[step][3] == pytest.approx(0.3 * factor, rel=1e-6), step
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

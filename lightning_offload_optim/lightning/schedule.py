@@ -24,6 +24,23 @@ LINKED_GROUP_KEY = "lr_link"
 _SHAPE = ("warmup_steps", "total_steps", "min_lr_ratio")
 
 
+def set_by_hand(group: dict[str, Any], written: float) -> bool:
+    """Whether ``group``'s lr is no longer the ``written`` one. A tensor lr holds what was
+    written rounded to its dtype (a float32 tensor cannot hold most float lrs exactly)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        written = float(torch.as_tensor(written, dtype=lr.dtype))
+    return float(lr) != written
+
+
+def write_lr(group: dict[str, Any], lr: float) -> None:
+    """Set ``group``'s lr as torch's schedulers do: into a tensor lr, which stays a tensor."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
+
+
 def link_hand_set_lrs(groups: Sequence[dict[str, Any]], previous: Sequence[float]) -> None:
     """Give an lr set by hand on a linked group to the groups linked to it.
 
@@ -32,12 +49,12 @@ def link_hand_set_lrs(groups: Sequence[dict[str, Any]], previous: Sequence[float
     """
     hand_set: dict[Any, set[float]] = {}
     for group, lr in zip(groups, previous, strict=False):
-        if LINKED_GROUP_KEY in group and float(group["lr"]) != lr:
+        if LINKED_GROUP_KEY in group and set_by_hand(group, lr):
             hand_set.setdefault(group[LINKED_GROUP_KEY], set()).add(float(group["lr"]))
     for group in groups:
         values = hand_set.get(group[LINKED_GROUP_KEY], ()) if LINKED_GROUP_KEY in group else ()
         if len(values) == 1:
-            group["lr"] = next(iter(values))
+            write_lr(group, next(iter(values)))
 
 
 def check_schedule(warmup_steps: Any, total_steps: Any, min_lr_ratio: Any) -> None:
@@ -128,7 +145,7 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
         link_hand_set_lrs(groups, self._written)  # if not done before the step
         for i, group in enumerate(groups):
             added = i >= len(self.base_lrs)
-            edited = i < len(self._written) and float(group["lr"]) != self._written[i]
+            edited = i < len(self._written) and set_by_hand(group, self._written[i])
             if added:
                 self.base_lrs.append(float(group["lr"]))
             if added or edited:
@@ -155,13 +172,10 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
             return
         link_hand_set_lrs(self.optimizer.param_groups, self._written)
         for i, group in enumerate(self.optimizer.param_groups[: len(self._written)]):
-            if float(group["lr"]) != self._written[i]:
+            if set_by_hand(group, self._written[i]):
                 self._rebase(i, float(group["lr"]), 1.0)
                 self._written[i] = self.base_lrs[i] * self.factor(0)
-                if isinstance(group["lr"], torch.Tensor):
-                    group["lr"].fill_(self._written[i])
-                else:
-                    group["lr"] = self._written[i]
+                write_lr(group, self._written[i])
         self._last_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
 
     def _rebase(self, index: int, lr: float, in_effect: float) -> None:
@@ -194,5 +208,5 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
             )
             self._written = [base * self.factor(self.last_epoch) for base in self.base_lrs]
             for group, lr in zip(groups, self._written, strict=False):
-                group["lr"] = lr
+                write_lr(group, lr)
             self._last_lr = [g["lr"] for g in groups]
