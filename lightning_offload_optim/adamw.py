@@ -426,6 +426,11 @@ class OffloadAdamW(torch.optim.AdamW):
                 # A tensor increment: 4x faster than a Python scalar over many tensors on the CPU.
                 torch._foreach_add_(host_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
                 self._pipeline.run(chunks, update, overlap=overlap is not None)
+                if overlap is not None:
+                    # Queued, not done: a backward through a graph recorded before this step
+                    # would read these parameters while they are written. Marked as written,
+                    # autograd refuses it, as after torch's foreach AdamW (fused marks nothing).
+                    torch.autograd.graph.increment_version([a.param for a in active])
                 for i in with_master:  # the updates, queued, have written the parameters
                     active[i].slot.param_mark = write_mark(active[i].param)
                 # The next step's first copies start in backward, into the places of this
@@ -466,8 +471,10 @@ class OffloadAdamW(torch.optim.AdamW):
         ``zero_grad()``, ``state_dict()``, ``load_state_dict()``, the next ``step()`` and
         ``state_dict()`` of ``module`` or any submodule wait by themselves; call
         :meth:`wait_for_updates` before reading parameters any other way between a step and
-        the next forward pass. Returns the hooks' owner; ``.remove()`` it to step synchronously
-        again (it waits for the queued updates). Only staged devices (GPUs) overlap; CPU
+        the next forward pass. A backward through a graph recorded before a step is refused by
+        autograd (the step marks its parameters written), as after torch's foreach AdamW.
+        Returns the hooks' owner; ``.remove()`` it to step synchronously again (it waits for
+        the queued updates). Only staged devices (GPUs) overlap; CPU
         parameters are updated in place at once.
 
         Example::

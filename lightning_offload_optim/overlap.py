@@ -146,7 +146,18 @@ class ForwardOverlap:
         #: Per FSDP2 unit (by id), the parameters its all-gather reads.
         self._unit_params: dict[int, list[Tensor]] = {}
         blocks = _check_blocks(module, blocks)
+        _refuse_script_modules(module)
         _guard_on_module_hooks()
+        try:
+            self._install_hooks(module, blocks)
+        except BaseException:  # a hook torch refused: none of them stays on the module
+            for handle in self._handles:
+                handle.remove()
+            raise
+
+    def _install_hooks(self, module: nn.Module, blocks: set[int]) -> None:
+        """Hook each submodule's forward, the saves and loads of any of them, and the
+        parameters' gradients (handles in ``_handles``)."""
         in_units: set[int] = set()  # modules inside FSDP2 units: the unit's hook waits for them
         in_blocks: dict[int, _BlockRun] = {}  # modules inside blocks: their block's run
         for child in module.modules():  # parents first
@@ -613,6 +624,19 @@ class _BlockRun:
 def _unless_running(run: _BlockRun, wait: Callable[[], None]) -> None:
     if not run.running:
         wait()
+
+
+def _refuse_script_modules(module: nn.Module) -> None:
+    """TorchScript modules take no forward hooks: nothing would order their reads."""
+    for name, child in module.named_modules():
+        if isinstance(child, torch.jit.ScriptModule):
+            where = f"submodule {name!r}" if name else "the module"
+            raise TypeError(
+                f"overlap_with: {where} is a TorchScript module ({type(child).__name__}), "
+                f"which takes no forward hooks, so nothing could order its reads after the "
+                f"queued updates. Overlap an eager module (torch.compile keeps its hooks), or "
+                f"step without overlap_with()"
+            )
 
 
 def _check_blocks(module: nn.Module, blocks: Iterable[nn.Module]) -> set[int]:

@@ -1167,3 +1167,93 @@ def test_state_cleared_by_hand_after_an_overlapped_step_starts_from_the_updated_
     stream_order.expect_none()
     ours.wait_for_updates()
     assert_same(list(model.parameters()), list(reference.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_backward_through_a_graph_recorded_before_the_step_is_refused(stream_order, dtype):
+    """Two losses from one forward pass with a step between their backward passes (a GAN's
+    discriminator output reused after its step): the second backward reads weights saved by a
+    forward before the step, while their update is queued. Autograd refuses it, as after torch's
+    default (foreach) AdamW, instead of reading them unordered (fused AdamW reads the new ones);
+    nothing is half applied and a fresh forward pass trains on. (Under the stream checker's
+    dispatch mode foreach AdamW's version bumps are not seen, so it is not run alongside.)"""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+
+    model, reference = make(), make()
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    ours.overlap_with(model)
+    torch_opt = exact_reference(list(reference.parameters()), lr=0.05)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
+    outputs = [net(x) for net in (model, reference)]
+    for out, optimizer in zip(outputs, (ours, torch_opt), strict=True):
+        out.float().pow(2).mean().backward(retain_graph=True)
+        optimizer.step()
+        optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        outputs[0].float().abs().mean().backward()
+    stream_order.expect_none()
+    for net, optimizer in ((model, ours), (reference, torch_opt)):
+        net(x).float().abs().mean().backward()  # forward again: trains on
+        optimizer.step()
+    assert_overlapped_alike(stream_order, ours, model, reference)
+
+
+def hook_counts(model: nn.Module) -> list[int]:
+    return [
+        len(hooks)
+        for m in model.modules()
+        if not isinstance(m, torch.jit.ScriptModule)
+        for hooks in (
+            m._forward_pre_hooks,
+            m._forward_hooks,
+            m._state_dict_pre_hooks,
+            m._load_state_dict_pre_hooks,
+        )
+    ] + [len(p._backward_hooks or {}) for p in model.parameters()]
+
+
+class RefusesLoadHooks(nn.Linear):
+    """A module that takes no load hook (as a TorchScript module takes no forward hook)."""
+
+    def register_load_state_dict_pre_hook(self, hook):
+        raise RuntimeError("load hooks are not supported here (simulated)")
+
+
+@pytest.mark.parametrize(
+    ("inner", "error", "match"),
+    [
+        (
+            lambda: torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh())),
+            TypeError,
+            "submodule 'inner' is a TorchScript module .RecursiveScriptModule.",
+        ),
+        (lambda: RefusesLoadHooks(8, 8), RuntimeError, "simulated"),
+    ],
+    ids=["torchscript", "a-hook-refused"],
+)
+def test_an_overlap_that_cannot_hook_every_module_leaves_no_hook_behind(
+    stream_order, inner, error, match
+):
+    """``overlap_with`` over a module holding one that refuses hooks: a clear error, no hook
+    left on the modules visited before it (each would keep the failed overlap and its pipeline
+    alive, and wait or watch in every forward pass), and the optimizer's overlap as it was."""
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(4, 8)
+            self.inner = inner()
+
+        def forward(self, x):
+            return self.inner(self.first(x))
+
+    model = Holder()
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    before = hook_counts(model)
+    with pytest.raises(error, match=match):
+        ours.overlap_with(model)
+    assert hook_counts(model) == before
+    assert ours._overlapping() is None
