@@ -183,3 +183,16 @@ def test_each_override_is_warned_about_once_under_the_default_filter():
         for _ in range(3):
             WithoutSuper().configure_optimizers()
     assert hooks_named(about_super(caught)) == ["WithoutSuper.on_train_end"]
+
+
+def test_an_overrides_warning_raised_as_an_error_leaves_no_hook_on_the_module():
+    """Under ``-W error`` the warning is raised from ``configure_optimizers``: it comes before
+    the overlap's hooks go on, so none is left on the module while the error (and its
+    traceback, which holds the optimizer) is kept, in a notebook's last traceback say."""
+    model = WithoutSuper(overlap_step=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="does not call super") as raised:
+            model.configure_optimizers()
+    assert raised.traceback  # kept
+    assert not any(m._forward_pre_hooks for m in model.modules())

@@ -36,6 +36,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadAdamW, OffloadOptimizerMixin
+from lightning_offload_optim.lightning.mixin import _FitGuard
+from lightning_offload_optim.overlap import ForwardOverlap
 from lightning_offload_optim.pipeline import StagingPipeline
 
 
@@ -653,21 +655,137 @@ def test_a_fit_that_failed_frees_the_optimizers_device_memory(tmp_path, stream_o
         assert_same(list(entry.values()), [now[index][key] for key in entry])
 
 
-def test_a_release_that_fails_after_a_failed_fit_warns_and_keeps_the_fits_error(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("failing", ["release_device_memory", "remove"])
+def test_a_clean_up_that_fails_after_a_failed_fit_warns_and_the_others_still_run(
+    tmp_path, monkeypatch, failing
 ):
     """Cleaning up after a failed fit may fail too (a device in an error state): the exception
-    that ended the fit is the one raised, and a warning says what was not released."""
+    that ended the fit is the one raised, a warning says what was not released, and the other
+    clean-ups still run (hooks that could not be removed still free the device memory)."""
 
-    def broken(self: OffloadAdamW) -> None:
-        raise RuntimeError("device lost")
+    owner = OffloadAdamW if failing == "release_device_memory" else ForwardOverlap
+    works = getattr(owner, failing)
+    failed: list[bool] = []
 
-    monkeypatch.setattr(OffloadAdamW, "release_device_memory", broken)
+    def broken(self: Any) -> None:  # once: the finalizers clean up later
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("device lost")
+        works(self)
+
+    monkeypatch.setattr(owner, failing, broken)
     FailsOnce.failed = False
     model = ResidentFailsOnce(overlap=True)
+    fit = trainer(tmp_path, max_steps=6)
     warned = pytest.warns(UserWarning, match=r"could not be released: RuntimeError\('device lost")
     with warned, pytest.raises(RuntimeError, match="simulated"):
-        trainer(tmp_path, max_steps=6).fit(model)
+        fit.fit(model)
+    if failing == "remove":
+        stats = fit.optimizers[0].memory_stats()
+        assert stats["staging_bytes"] == stats["resident_bytes"] == 0
+
+
+class CountsGuards(pl.Callback):
+    """Where the mixin's guards are among the trainer's callbacks, at each batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        self.seen.append([i for i, c in enumerate(trainer.callbacks) if isinstance(c, _FitGuard)])
+
+
+def test_one_guard_leads_each_fit_also_when_a_failed_fit_is_retried_on_its_trainer(
+    tmp_path, stream_order
+):
+    """A fit that raised leaves its guard among the trainer's callbacks (Lightning runs no
+    ``teardown`` then): a retry on the same Trainer still runs with one guard, first, and a fit
+    that ends takes it out."""
+    FailsOnce.failed = False
+    counter = CountsGuards()
+    fit = trainer(tmp_path, max_steps=4, callbacks=[counter])
+    model = FailsOnce()
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit.fit(model)
+    fit.fit(model)
+    assert len(counter.seen) == 5  # three batches (the third raises), then the two left
+    assert all(seen == [0] for seen in counter.seen)
+    assert not any(isinstance(c, _FitGuard) for c in fit.callbacks)
+
+
+class Plain(pl.LightningModule):
+    """A module without the mixin, whose training step raises an error of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(16), batch_size=4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise ValueError("the plain module's own error")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_guard_left_by_a_failed_fit_lets_a_plain_modules_error_through(tmp_path):
+    """The guard a failed fit left on its Trainer does nothing for a module without the
+    mixin fitted next on that Trainer: its own error is the one raised."""
+    FailsOnce.failed = False
+    fit = trainer(tmp_path, max_steps=4)
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit.fit(FailsOnce())
+    assert isinstance(fit.callbacks[0], _FitGuard)  # left: what this test is about
+    with pytest.raises(ValueError, match="the plain module's own error"):
+        fit.fit(Plain())
+
+
+class BypassesTheHooks(ReadsHeadFirst):
+    """A ``training_step`` that calls the layers' ``forward`` methods: no hook runs."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.head.forward(torch.tanh(self.inp.forward(x))), y)
+
+
+def test_the_unhooked_warning_in_a_fit_names_the_users_fit_line(tmp_path, stream_order):
+    """Under Lightning the step is called from Lightning's loops: the warning skips them too,
+    to the user's ``fit`` line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, max_steps=3).fit(BypassesTheHooks())
+    unhooked = [w for w in caught if "no forward hook of the overlapped module" in str(w.message)]
+    assert [w.filename for w in unhooked] == [__file__]
+    stream_order.expect_none()
+
+
+def test_a_users_folder_named_like_a_skipped_package_is_the_users(tmp_path, monkeypatch):
+    """The warnings skip frames by package folder: a user's folder whose name only begins like
+    one of those (``lightning_runs/`` beside ``lightning/``) is the user's own."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["lightning"], "__file__", str(tmp_path / "lib/__init__.py"))
+    user_file = str(tmp_path / "lib_runs" / "train.py")
+    source = (
+        "def train(model, optimizer):\n"
+        "    for _ in range(3):\n"
+        "        model.forward(torch.ones(2, 4)).sum().backward()\n"
+        "        optimizer.step()\n"
+        "        optimizer.zero_grad()\n"
+    )
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(compile(source, user_file, "exec"), namespace)
+    model = nn.Linear(4, 2)
+    ours = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    ours.overlap_with(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        namespace["train"](model, ours)
+    unhooked = [w for w in caught if "no forward hook of the overlapped module" in str(w.message)]
+    assert [w.filename for w in unhooked] == [user_file]
+    ours.wait_for_updates()
 
 
 class Lookahead(torch.optim.Optimizer):
@@ -690,28 +808,65 @@ class Lookahead(torch.optim.Optimizer):
                 fast.copy_(slow)
 
 
-def test_a_wrapping_optimizer_reading_the_weights_in_its_step_is_ordered(stream_order):
+class Harness:
+    """A training harness whose own ``step`` steps the optimizer it is given."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
+@pytest.mark.parametrize("called", ["directly", "from-a-harness-step"])
+def test_a_wrapping_optimizer_reading_the_weights_in_its_step_is_ordered(stream_order, called):
     """A wrapper's ``step`` (Lookahead here; ``ZeroRedundancyOptimizer`` broadcasts the
     parameters, ``PostLocalSGDOptimizer`` averages them) reads and writes the parameters as soon
     as the inner step returns, where no hook can order it: the step waits for its own updates
-    there, with one warning, and trains as torch AdamW under the same wrapper."""
+    there, with one warning, and trains as torch AdamW under the same wrapper. Also where the
+    wrapper is itself stepped by a method named ``step`` of something else (a harness)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     twin = copy.deepcopy(model)
     inner, torch_inner = overlapped_pair(model, twin, lr=0.02)
     ours, theirs = Lookahead(inner), Lookahead(torch_inner)
+    stepping = {"directly": lambda o: o, "from-a-harness-step": Harness}[called]
     generator = torch.Generator().manual_seed(3)
     with pytest.warns(UserWarning, match=r"runs inside Lookahead\.step\(\)") as warned:
         for _ in range(5):
             x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
             for net, optimizer in ((model, ours), (twin, theirs)):
                 F.mse_loss(net(x), y).backward()
-                optimizer.step()
+                stepping(optimizer).step()
                 optimizer.inner.zero_grad()
     assert sum("runs inside" in str(w.message) for w in warned) == 1
     assert {w.filename for w in warned if "runs inside" in str(w.message)} == {__file__}
     stream_order.expect_none()
     inner.wait_for_updates()
+    assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+def test_a_wrapping_optimizer_over_an_optimizer_without_the_overlap_steps_as_torch(
+    stream_order,
+):
+    """Without ``overlap_with`` the step is done when it returns: under a Lookahead it neither
+    warns nor fails, and trains as torch AdamW under the same wrapper."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    twin = copy.deepcopy(model)
+    inner = OffloadAdamW(model.parameters(), lr=0.02, force_staging=True, chunk_size=64)
+    ours = Lookahead(inner)
+    theirs = Lookahead(torch.optim.AdamW(twin.parameters(), lr=0.02, fused=True))
+    generator = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(5):
+            x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+            for net, optimizer in ((model, ours), (twin, theirs)):
+                F.mse_loss(net(x), y).backward()
+                optimizer.step()
+                optimizer.inner.zero_grad()
+    stream_order.expect_none()
     assert_same(list(model.parameters()), list(twin.parameters()))
 
 
