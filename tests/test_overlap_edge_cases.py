@@ -798,14 +798,14 @@ class Lookahead(torch.optim.Optimizer):
         self.fast = [p for group in inner.param_groups for p in group["params"]]
         self.slow = [p.detach().clone() for p in self.fast]
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # no decorator: its caller is the next frame
         self.inner.step()
         self.steps += 1
         if self.steps % self.k == 0:
-            for slow, fast in zip(self.slow, self.fast, strict=True):
-                slow.add_(fast - slow, alpha=self.alpha)
-                fast.copy_(slow)
+            with torch.no_grad():
+                for slow, fast in zip(self.slow, self.fast, strict=True):
+                    slow.add_(fast - slow, alpha=self.alpha)
+                    fast.copy_(slow)
 
 
 class Harness:
