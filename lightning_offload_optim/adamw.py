@@ -958,7 +958,7 @@ class OffloadAdamW(torch.optim.AdamW):
         whole = not replace or len(requests) == len(self._host.slots)
         slots = self._host.reusable(requests) if whole else None
         copies = self._loaded_copies(matched, slots) if slots is not None else None
-        if copies is None or any(self._host.overlaps(src) for _, src in copies):
+        if copies is None or self._host.overlaps(*(src for _, src in copies)):
             slots = self._host.allocate(requests)
             _copy_all(self._loaded_copies(matched, slots))
             copies = []

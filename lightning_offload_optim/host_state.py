@@ -16,7 +16,9 @@ warning.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import mmap
 import warnings
 import weakref
@@ -468,8 +470,9 @@ class HostState:
         """A load wrote ``sources`` into the buffers in place: the views lent earlier, other
         than those loaded, now show the loaded state instead of what they were lent with."""
         loaded = {id(source.untyped_storage()) for source in sources}
+        overlaps = self._overlap_test()
         for storage in list(self._lent):
-            if id(storage) not in loaded and self._overlaps(storage.data_ptr(), storage.nbytes()):
+            if id(storage) not in loaded and overlaps(storage.data_ptr(), storage.nbytes()):
                 self._written_over.add(storage)
                 self._lent.discard(storage)
 
@@ -477,20 +480,36 @@ class HostState:
         """Whether ``tensor`` views a lent storage that a load has written over since."""
         return tensor.untyped_storage() in self._written_over
 
-    def overlaps(self, tensor: Tensor) -> bool:
-        """Whether ``tensor`` shares memory with any of the host buffers."""
-        if tensor.device.type != "cpu" or tensor.numel() == 0:
-            return False
-        storage = tensor.untyped_storage()  # all of it: a cautious answer is a safe one
-        return self._overlaps(storage.data_ptr(), storage.nbytes())
-
-    def _overlaps(self, start: int, nbytes: int) -> bool:
-        end = start + nbytes
+    def overlaps(self, *tensors: Tensor) -> bool:
+        """Whether any of ``tensors`` shares memory with any of the host buffers."""
+        overlaps = self._overlap_test()
         return any(
-            b.data_ptr() < end and start < b.data_ptr() + b.numel() * b.element_size()
+            overlaps(storage.data_ptr(), storage.nbytes())
+            for tensor in tensors
+            if tensor.device.type == "cpu" and tensor.numel()
+            # all of the storage: a cautious answer is a safe one
+            for storage in (tensor.untyped_storage(),)
+        )
+
+    def _overlap_test(self) -> Callable[[int, int], bool]:
+        """A test of whether ``nbytes`` from address ``start`` share memory with a host buffer,
+        by binary search: a load checks each of its tensors against the buffers of every arena
+        (one per step on which parameters first got a gradient: many, for MoE experts first
+        routed at different steps)."""
+        spans = sorted(
+            (b.data_ptr(), b.data_ptr() + b.nbytes)
             for a in self.arenas
             for b in a.buffers.values()
+            if b.numel()
         )
+        starts = [start for start, _ in spans]
+        reach = list(itertools.accumulate((end for _, end in spans), max))  # furthest end so far
+
+        def overlaps(start: int, nbytes: int) -> bool:
+            last = bisect.bisect_left(starts, start + nbytes) - 1  # the last buffer starting before
+            return nbytes > 0 and last >= 0 and reach[last] > start
+
+        return overlaps
 
     def adopt(self, slots: dict[Tensor, Slot]) -> None:
         """Make allocated slots part of this state; free arenas no slot uses any more."""

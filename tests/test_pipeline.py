@@ -176,17 +176,23 @@ def test_offloaded_state_is_a_copy():
 def test_overlap_with_the_host_buffers_is_exact_at_their_edges():
     """Loads write in place only when no source shares memory with the buffers, and mark the
     views lent earlier that they write over: a range that ends where a buffer starts, or
-    starts where it ends, is not in it."""
+    starts where it ends, is not in it. Over the buffers of several arenas (parameters first
+    stepped at different steps), found by binary search: ranges across gaps and buffers too."""
     params = make_params()
     opt = OffloadAdamW(params, pin_memory=False)
-    set_grads([params], torch.Generator().manual_seed(0))
-    opt.step()
+    generator = torch.Generator().manual_seed(0)
+    for first in range(len(params)):  # one arena per step
+        set_grads([params], generator, skip=lambda i, first=first: i > first)
+        opt.step()
     buffers = [b for arena in opt._host.arenas for b in arena.buffers.values()]
+    assert len(opt._host.arenas) == len(params)
     spans = [(b.data_ptr(), b.data_ptr() + b.nbytes) for b in buffers]
 
     def covered(start: int, stop: int) -> bool:  # by any buffer, from their addresses alone
         return any(first < stop and start < last for first, last in spans)
 
+    overlaps = opt._host._overlap_test()
+    edges = sorted({edge for span in spans for edge in span})
     for start, stop in spans:
         for probe, nbytes, inside in [
             (start, 1, True),
@@ -195,7 +201,11 @@ def test_overlap_with_the_host_buffers_is_exact_at_their_edges():
             (stop, 8, False),
         ]:
             expected = inside or covered(probe, probe + nbytes)
-            assert opt._host._overlaps(probe, nbytes) == expected, (probe - start, nbytes)
+            assert overlaps(probe, nbytes) == expected, (probe - start, nbytes)
+    for low, high in itertools.combinations(edges, 2):  # from any edge to any later one
+        for probe, stop in [(low, high), (low - 1, high), (low + 1, high - 1)]:
+            if probe < stop:
+                assert overlaps(probe, stop - probe) == covered(probe, stop), (low, high)
 
 
 def test_host_buffers_are_freed_with_the_optimizer():
