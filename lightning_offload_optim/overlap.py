@@ -334,7 +334,10 @@ class ForwardOverlap:
     def _hook_gradients(self, params: Iterable[Tensor]) -> None:
         """Hook :meth:`_before_gradient` on those of ``params`` that can get a gradient and
         have no hook yet (a parameter frozen now, or a lazy module's not yet materialized by a
-        forward pass, is hooked once it is stepped)."""
+        forward pass, is hooked once it is stepped). One hook serves them all: a wrapper each
+        cost as much as the rest of ``overlap_with``. (Not kept on this object: a cycle through
+        it would outlive the optimizer until the next garbage collection.)"""
+        hook = None
         for param in params:
             if not param.requires_grad or is_lazy(param):
                 continue
@@ -345,8 +348,9 @@ class ForwardOverlap:
                 # the parameter's tensor again at each step, as register_hook attaches it.
                 param._backward_hooks = param._backward_hooks
                 continue
-            hook = _eager(self._before_gradient)
-            hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
+            if hook is None:
+                hook = _eager(self._before_gradient)
+                hook.__torch_unserializable__ = True  # type: ignore[attr-defined]  # no warning
             handle = self._gradient_hooks[id(param)] = param.register_hook(hook)
             self._handles.append(handle)
 
