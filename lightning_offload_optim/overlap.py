@@ -631,16 +631,26 @@ def _unless_running(run: _BlockRun, wait: Callable[[], None]) -> None:
 
 
 def _refuse_script_modules(module: nn.Module) -> None:
-    """TorchScript modules take no forward hooks: nothing would order their reads."""
+    """Scripted TorchScript modules (``torch.jit.script``) take no hooks: nothing would order
+    their reads. (Traced ones take them; their submodules' hooks never run, so those parameters
+    are waited for at the step, as any read no hook reaches.)"""
     for name, child in module.named_modules():
-        if isinstance(child, torch.jit.ScriptModule):
+        if not isinstance(child, torch.jit.ScriptModule):
+            continue
+        try:
+            child.register_forward_pre_hook(_no_hook).remove()
+        except RuntimeError:
             where = f"submodule {name!r}" if name else "the module"
             raise TypeError(
-                f"overlap_with: {where} is a TorchScript module ({type(child).__name__}), "
-                f"which takes no forward hooks, so nothing could order its reads after the "
-                f"queued updates. Overlap an eager module (torch.compile keeps its hooks), or "
-                f"step without overlap_with()"
-            )
+                f"overlap_with: {where} is a scripted TorchScript module "
+                f"({type(child).__name__}), which takes no forward hooks, so nothing could order "
+                f"its reads after the queued updates. Overlap an eager module (torch.compile and "
+                f"torch.jit.trace keep its hooks), or step without overlap_with()"
+            ) from None
+
+
+def _no_hook(*_: Any) -> None:
+    pass
 
 
 def _check_blocks(module: nn.Module, blocks: Iterable[nn.Module]) -> set[int]:

@@ -873,7 +873,9 @@ def test_a_wrapping_optimizer_over_an_optimizer_without_the_overlap_steps_as_tor
 def test_a_backward_after_the_step_waits_for_the_updates_reading_the_gradients(stream_order):
     """The next micro-batch's forward runs before the step and its backward after it, with no
     ``zero_grad`` in between: the backward accumulates, in place, into gradients the queued
-    updates still read. Its first gradient orders it after them (as for DDP's buckets)."""
+    updates still read. Its first gradient orders it after them (as for DDP's buckets). (One
+    layer whose input needs no gradient: the graph saved no weight. One that did is refused, see
+    test_a_backward_through_a_graph_recorded_before_the_step_is_refused.)"""
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     reference = copy.deepcopy(model)
@@ -1383,7 +1385,7 @@ class RefusesLoadHooks(nn.Linear):
         (
             lambda: torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh())),
             TypeError,
-            "submodule 'inner' is a TorchScript module .RecursiveScriptModule.",
+            "submodule 'inner' is a scripted TorchScript module .RecursiveScriptModule.",
         ),
         (lambda: RefusesLoadHooks(8, 8), RuntimeError, "simulated"),
     ],
@@ -1412,3 +1414,30 @@ def test_an_overlap_that_cannot_hook_every_module_leaves_no_hook_behind(
         ours.overlap_with(model)
     assert hook_counts(model) == before
     assert ours._overlapping() is None
+
+
+def test_a_traced_submodule_trains_as_torch_with_the_overlap(stream_order):
+    """``torch.jit.trace``'s modules take hooks (only scripted ones are refused): the traced
+    part's submodules run inside TorchScript, where no hook of theirs runs, so their parameters
+    are waited for at the step; exact against torch AdamW, every access ordered."""
+
+    class WithTraced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.first = nn.Linear(4, 8)
+            inner = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+            self.inner = torch.jit.trace(inner, torch.ones(1, 8))
+
+        def forward(self, x):
+            return self.inner(self.first(x))
+
+    model, twin = WithTraced(), WithTraced()
+    ours, theirs = overlapped_pair(model, twin, lr=0.05)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        for net, optimizer in ((model, ours), (twin, theirs)):
+            net(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_overlapped_alike(stream_order, ours, model, twin)
