@@ -471,11 +471,12 @@ class OffloadAdamW(torch.optim.AdamW):
         ``zero_grad()``, ``state_dict()``, ``load_state_dict()``, the next ``step()`` and
         ``state_dict()`` of ``module`` or any submodule wait by themselves; call
         :meth:`wait_for_updates` before reading parameters any other way between a step and
-        the next forward pass. A backward through a graph recorded before a step is refused by
-        autograd (the step marks its parameters written), as after torch's foreach AdamW.
-        Returns the hooks' owner; ``.remove()`` it to step synchronously again (it waits for
-        the queued updates). Only staged devices (GPUs) overlap; CPU
-        parameters are updated in place at once.
+        the next forward pass. A backward through a graph recorded before a step that reads
+        the weights it saved is refused by autograd (the step marks its parameters written), as
+        after torch's foreach AdamW; under FSDP2 it is not: call :meth:`wait_for_updates`
+        before it (docs/limitations.md). Returns the hooks' owner; ``.remove()`` it to step
+        synchronously again (it waits for the queued updates). Only staged devices (GPUs)
+        overlap; CPU parameters are updated in place at once.
 
         Example::
 
