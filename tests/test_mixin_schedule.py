@@ -606,6 +606,32 @@ def test_tensor_lrs_keep_their_base_and_stay_tensors():
             assert used[step][3] == pytest.approx(0.3 * factor, rel=1e-6), step
 
 
+def test_lrs_reported_after_a_load_of_another_shape_are_not_the_live_tensors():
+    """A load whose schedule shape differs writes the lrs of this run's shape into the groups'
+    tensors; ``get_last_lr()`` reports them as they were then, as torch's schedulers do (a later
+    edit of a group's tensor does not change it)."""
+
+    def scheduled(total: int) -> tuple[torch.optim.Optimizer, WarmupCosineLR]:
+        optimizer = torch.optim.SGD([param()], lr=torch.tensor(1.0, dtype=torch.float64))
+        return optimizer, WarmupCosineLR(optimizer, warmup_steps=2, total_steps=total)
+
+    optimizer, schedule = scheduled(10)
+    for _ in range(4):
+        optimizer.step()
+        schedule.step()
+    resumed_optimizer, resumed = scheduled(20)
+    with pytest.warns(UserWarning, match="the checkpoint's schedule was"):
+        resumed.load_state_dict(schedule.state_dict())
+    reported = [float(lr) for lr in resumed.get_last_lr()]
+    assert reported == [pytest.approx(expected_factor_over(20, 4))]
+    resumed_optimizer.param_groups[0]["lr"].fill_(0.5)
+    assert [float(lr) for lr in resumed.get_last_lr()] == reported
+
+
+def expected_factor_over(total: int, step: int) -> float:
+    return reference_lr_factor(2, total, 0.0, step)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -209,4 +209,4 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
             self._written = [base * self.factor(self.last_epoch) for base in self.base_lrs]
             for group, lr in zip(groups, self._written, strict=False):
                 write_lr(group, lr)
-            self._last_lr = [g["lr"] for g in groups]
+            self._last_lr = [float(g["lr"]) for g in groups]  # not the live tensors
