@@ -470,9 +470,9 @@ class HostState:
         """A load wrote ``sources`` into the buffers in place: the views lent earlier, other
         than those loaded, now show the loaded state instead of what they were lent with."""
         loaded = {id(source.untyped_storage()) for source in sources}
-        overlaps = self._overlap_test()
+        touches = self._overlap_test()
         for storage in list(self._lent):
-            if id(storage) not in loaded and overlaps(storage.data_ptr(), storage.nbytes()):
+            if id(storage) not in loaded and touches(storage.data_ptr(), storage.nbytes()):
                 self._written_over.add(storage)
                 self._lent.discard(storage)
 
@@ -481,10 +481,11 @@ class HostState:
         return tensor.untyped_storage() in self._written_over
 
     def overlaps(self, *tensors: Tensor) -> bool:
-        """Whether any of ``tensors`` shares memory with any of the host buffers."""
-        overlaps = self._overlap_test()
+        """Whether any of ``tensors`` shares memory with any of the host buffers (pass them
+        all in one call: each call sorts the buffers)."""
+        touches = self._overlap_test()
         return any(
-            overlaps(storage.data_ptr(), storage.nbytes())
+            touches(storage.data_ptr(), storage.nbytes())
             for tensor in tensors
             if tensor.device.type == "cpu" and tensor.numel()
             # all of the storage: a cautious answer is a safe one
@@ -505,11 +506,11 @@ class HostState:
         starts = [start for start, _ in spans]
         reach = list(itertools.accumulate((end for _, end in spans), max))  # furthest end so far
 
-        def overlaps(start: int, nbytes: int) -> bool:
+        def touches(start: int, nbytes: int) -> bool:
             last = bisect.bisect_left(starts, start + nbytes) - 1  # the last buffer starting before
             return nbytes > 0 and last >= 0 and reach[last] > start
 
-        return overlaps
+        return touches
 
     def adopt(self, slots: dict[Tensor, Slot]) -> None:
         """Make allocated slots part of this state; free arenas no slot uses any more."""

@@ -208,6 +208,28 @@ def test_overlap_with_the_host_buffers_is_exact_at_their_edges():
                 assert overlaps(probe, stop - probe) == covered(probe, stop), (low, high)
 
 
+def test_overlap_with_the_host_buffers_is_found_whatever_the_buffers_spans():
+    """The search by address does not rely on the buffers being apart: spans nested in or
+    overlapping others, and empty buffers, answer as a scan of every buffer would."""
+    import types
+
+    opt = OffloadAdamW(make_params(), pin_memory=False)
+    base = torch.empty(400, dtype=torch.uint8)
+    address = base.data_ptr()
+    generator = random.Random(0)
+    for _ in range(200):
+        cuts = [sorted(generator.sample(range(401), 2)) for _ in range(generator.randint(1, 6))]
+        buffers = {str(i): base[a:b] for i, (a, b) in enumerate(cuts)}
+        opt._host.arenas = [types.SimpleNamespace(buffers=buffers)]
+        touches = opt._host._overlap_test()
+        for start in range(-2, 402, 7):
+            for nbytes in (0, 1, 5, 60, 400):
+                scan = nbytes > 0 and any(
+                    a < b and a < start + nbytes and start < b for a, b in cuts
+                )
+                assert touches(address + start, nbytes) == scan, (cuts, start, nbytes)
+
+
 def test_host_buffers_are_freed_with_the_optimizer():
     import gc
     import weakref
