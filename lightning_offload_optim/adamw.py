@@ -382,7 +382,7 @@ class OffloadAdamW(torch.optim.AdamW):
         hyper = [group_hyperparameters(g, i) for i, g in enumerate(self.param_groups)]
         if self.resident is not None or self._pipeline.resident_bytes:  # set, or set to None
             self._choose_resident()
-        active, new_slots = self._collect_active()
+        active, new_slots = self._collect_active(unscales=grad_scale is not None)
         if not active:
             return
         chunks = self._plan(active, cache=not new_slots)
@@ -404,6 +404,8 @@ class OffloadAdamW(torch.optim.AdamW):
         if overlap is not None:  # the update reads these after step() returns
             for a in active:
                 self._pipeline.used_by_update(a.flat_grad)
+                if scales and _grad_copied(a):  # the update writes it back unscaled
+                    self._pipeline.used_by_update(local(a.param.grad))
             for step in {s.untyped_storage().data_ptr(): s for s in device_steps}.values():
                 self._pipeline.used_by_update(step)  # the stacked copies of the step counts
             for scale in scales.values():  # GradScaler drops it when step() returns
@@ -610,8 +612,9 @@ class OffloadAdamW(torch.optim.AdamW):
                 "state from a checkpoint (load_state_dict) before stepping or saving again."
             )
 
-    def _collect_active(self) -> tuple[list[_Active], dict[Tensor, Slot]]:
-        """Check this step's parameters; lay out (not yet adopt) state for new ones."""
+    def _collect_active(self, unscales: bool) -> tuple[list[_Active], dict[Tensor, Slot]]:
+        """Check this step's parameters (and gradients, which GradScaler's step, ``unscales``,
+        writes); lay out (not yet adopt) state for new ones."""
         found: list[tuple[Tensor, Tensor, int, Slot | None, Tensor | None]] = []
         new: list[tuple[Tensor, tuple[str, ...]]] = []
         foreign: list[tuple[Tensor, int, int]] = []
@@ -626,7 +629,7 @@ class OffloadAdamW(torch.optim.AdamW):
                     )
                 if param.grad is None:
                     continue
-                check_gradient(param, g, position)
+                check_gradient(param, g, position, unscales)
                 part = local(param)  # what this rank updates: itself, or a DTensor's shard
                 state = states.get(param)
                 slot = slots.get(param)
@@ -649,7 +652,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 found.append((param, part, g, slot, state["step"] if state else None))
         if foreign:
             self._adopt_state(foreign)
-            return self._collect_active()
+            return self._collect_active(unscales)
         overlap = self._overlapping()
         if new and overlap is not None and overlap.order:  # lay state out in forward order
             new.sort(key=lambda request: overlap.rank(request[0]))
@@ -804,6 +807,8 @@ class OffloadAdamW(torch.optim.AdamW):
                 torch._foreach_copy_(lists.params, targets)
                 if grad_scale is not None:  # the unscaled gradients, rounded
                     torch._foreach_copy_(lists.grads, grads)
+        if grad_scale is not None:
+            _unscaled_into_copied_grads(chunk, active)
 
     # ------------------------------------------------------------ checkpoints
     @_outside_inference_mode
@@ -1249,6 +1254,22 @@ class _KernelLists:
         self.params.append(a.flat_param if whole else a.flat_param[start:stop])
         self.grads.append(a.flat_grad if whole else a.flat_grad[start:stop])
         self.state.append(state)
+
+
+def _unscaled_into_copied_grads(chunk: Chunk, active: list[_Active]) -> None:
+    """A gradient laid out unlike its parameter was updated (unscaled) as a flat copy: once a
+    chunk holds its parameter's last segment, the copy goes back into ``param.grad``, which
+    GradScaler's callers read unscaled after ``step()``, as torch's fused AdamW leaves it."""
+    for seg in chunk.segments:
+        a = active[seg.index]
+        if seg.stop == a.slot.layout.numel and _grad_copied(a):
+            local(a.param.grad).copy_(a.slot.layout.unflat(a.flat_grad))
+
+
+def _grad_copied(a: _Active) -> bool:
+    """Whether the flat gradient the update reads is a copy (laid out unlike the parameter)."""
+    grad = local(a.param.grad).untyped_storage()
+    return a.flat_grad.untyped_storage().data_ptr() != grad.data_ptr()
 
 
 def _torch_adamw_step(optimizer: torch.optim.AdamW) -> None:

@@ -79,6 +79,34 @@ def test_grad_scale_of_another_float_dtype_unscales_like_torch(dtype, mode):
     assert_same(params, reference)
 
 
+@pytest.mark.parametrize("mode", [{}, STAGED], ids=["direct", "staged"])
+def test_an_expanded_gradient_to_unscale_is_refused_before_anything_changes(mode):
+    """The update writes gradients back unscaled; one whose elements share memory (expanded
+    from one value) cannot take that, and torch's fused AdamW refuses it too. Refused before
+    the update (the write came after the chunk's kernel ran: a step applied halfway)."""
+    (opt, params), (twin, twin_params) = twins(dtype=torch.float16, **mode)
+    before = snapshot(opt, params)
+    grad = params[1].grad
+    params[1].grad = grad.reshape(-1)[:1].expand(grad.shape)
+    opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.tensor(0.0)
+    with pytest.raises(
+        RuntimeError,
+        match=r"gradient of parameter 1 of param group 0 has .*"
+        r"share memory .*strides \(0,\).*grad.clone\(\)",
+    ):
+        opt.step()
+    assert_unchanged(opt, params, before)
+    params[1].grad = params[1].grad.clone()  # taken once it has memory of its own
+    twin_params[1].grad = params[1].grad.clone()
+    for o in (opt, twin):
+        o.grad_scale, o.found_inf = torch.tensor(4.0), torch.tensor(0.0)
+        o.step()
+        del o.grad_scale, o.found_inf
+    assert_same(params, twin_params)
+    assert_same([p.grad for p in params], [p.grad for p in twin_params])
+    assert_steps_like_twin(opt, params, twin, twin_params)
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [

@@ -284,29 +284,39 @@ def test_a_module_called_twice_before_the_others_keeps_its_first_use(stream_orde
     assert_same(list(model.parameters()), list(twin.parameters()))
 
 
-def test_fp16_parameters_under_grad_scaler(stream_order):
+@pytest.mark.parametrize("transposed", [False, True], ids=["grads-as-params", "grads-transposed"])
+def test_fp16_parameters_under_grad_scaler(stream_order, transposed):
     """The updates unscale fp16 gradients by GradScaler's scale (see test_parity), which the
     scaler drops when step() returns, before the queued updates read it: its memory is kept for
-    them. Against torch fused AdamW on fp32 masters given the same scale."""
+    them. Gradients laid out unlike their parameters (``transposed``) are updated as copies,
+    which the queued updates write back unscaled: the gradients' memory, freed by the next
+    ``zero_grad``, is kept for those writes too. Against torch fused AdamW on fp32 masters given
+    the same scale; the gradients are compared after the last step."""
     model, optimizer = overlapped(torch.float16)
     reference = Net().to(torch.float16)
     masters = MasterCopyAdamW(list(reference.parameters()), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=1000.0)
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
+        optimizer.zero_grad()
+        masters.zero_grad()
         tokens = torch.randint(0, 10, (4, 5), generator=generator)
         scaler.scale(model(tokens).logsumexp(-1).mean()).backward()
+        if transposed:
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.grad = p.grad.t().contiguous().t()
         scale = torch.tensor(scaler.get_scale())
         scaler.step(optimizer)
         scaler.update()
-        optimizer.zero_grad()
         (reference(tokens).logsumexp(-1).mean() * scale).backward()
         masters.fp32.grad_scale = scale
         masters.step()
-        masters.zero_grad()
     stream_order.expect_none()
     optimizer.wait_for_updates()
     assert_same(list(model.parameters()), list(reference.parameters()))
+    unscaled = [masters.masters[r].grad.half() for r in reference.parameters()]
+    assert_same([p.grad for p in model.parameters()], unscaled)
 
 
 def test_a_lazy_module_materialized_after_overlap_with(stream_order):

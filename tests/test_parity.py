@@ -592,6 +592,48 @@ def test_grad_scaler_unscales_fp16_gradients_in_the_kernel_as_for_torch_fused(mo
     assert [float(offload.state[p]["step"]) for p in params] == [3.0] * len(params)
 
 
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_grad_scaler_unscales_gradients_laid_out_unlike_their_parameters_in_place(mode):
+    """A gradient laid out unlike its parameter (set by hand, or from ``autograd.grad``) is
+    updated as a contiguous copy; GradScaler's callers read ``p.grad`` unscaled after the step,
+    so the unscaled copy goes back into it (once whole, for a parameter split across chunks in
+    staged-64). fp32 parameters beside fp16 ones are unscaled by the kernel too. Reference:
+    torch's fused AdamW (on fp32 masters for fp16) given the gradients laid out like the
+    parameters, which it reads right."""
+    generator = torch.Generator().manual_seed(3)
+
+    def permuted(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+        conv = torch.randn(4, 3, 3, 3, generator=generator).to(dtype)
+        wide = torch.randn(20, 7, generator=generator).to(dtype)
+        return [
+            torch.nn.Parameter(conv.contiguous(memory_format=torch.channels_last)),
+            torch.nn.Parameter(wide.t()),
+        ]
+
+    halves, singles = permuted(torch.float16), permuted(torch.float32)
+    ref_halves, ref_singles = clone_params(halves), clone_params(singles)
+    params, reference = [*halves, *singles], [*ref_halves, *ref_singles]
+    offload = OffloadAdamW(params, lr=0.01, **mode)
+    masters = MasterCopyAdamW([{"params": ref_halves}], lr=0.01)
+    fp32 = torch.optim.AdamW(ref_singles, lr=0.01, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=1000)
+    scaler.scale(torch.ones(()))
+    for _ in range(3):
+        for p, r in zip(params, reference, strict=True):
+            p.grad = (torch.randn(p.shape, generator=generator) * 1000.0).to(p.dtype)
+            r.grad = torch.empty_like(r).copy_(p.grad)  # laid out like the parameter
+            assert p.grad.stride() != p.stride() and r.grad.stride() == r.stride()
+        masters.fp32.grad_scale = fp32.grad_scale = torch.tensor(scaler.get_scale())
+        scaler.step(offload)
+        scaler.update()
+        masters.step()
+        fp32.step()
+        assert_same(params, reference)
+        unscaled = [masters.masters[r].grad.half() for r in ref_halves]
+        assert_same([p.grad for p in params], [*unscaled, *(r.grad for r in ref_singles)])
+        assert 0.5 < max(float(p.grad.abs().max()) for p in params) < 10.0  # not 1000x
+
+
 def test_grad_scaler_unscales_fp32_and_bf16_gradients_itself():
     """Where GradScaler.unscale_ takes the gradients (no fp16 among them) it unscales them, so
     that Lightning can clip them (it refuses to clip for an optimizer that unscales itself)."""
