@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from lightning_offload_optim.sharding import write_mark
+from lightning_offload_optim.sharding import is_part_of_a_larger_tensor, write_mark
 
 if TYPE_CHECKING:
     from lightning_offload_optim.pipeline import StagingPipeline
@@ -121,8 +121,9 @@ class ForwardOverlap:
         #: Per parameter, the event after which its latest update is done (and its device).
         self.pending: dict[Tensor, tuple[Any, torch.device]] = {}
         #: Per parameter whose update the caller's stream has not waited for yet, its
-        #: ``write_mark`` when the update was queued: a write since then raced with the update.
-        self._unordered: dict[Tensor, tuple[int, int, int]] = {}
+        #: ``write_mark`` when the update was queued: a write since then raced with the update
+        #: (None for a part of a larger tensor, whose version counter is not its own).
+        self._unordered: dict[Tensor, tuple[int, int, int] | None] = {}
         #: Parameters by first use in a forward pass, once one has run.
         self.order: dict[Tensor, int] = {}
         self._count = sum(1 for _ in module.parameters())  # order is complete at this size
@@ -303,7 +304,10 @@ class ForwardOverlap:
         passes before it, or in any before (they stay "early": read before any hook)."""
         current = {param: (event, device) for param, event, device in updates}
         self.pending.update(current)  # a parameter without a gradient keeps its last event
-        self._unordered.update((param, write_mark(param)) for param in current)
+        self._unordered.update(
+            (param, None if is_part_of_a_larger_tensor(param) else write_mark(param))
+            for param in current
+        )
         self._hook_gradients(current)  # parameters unfrozen or outside the module since
         reached, self._reached = self._reached, set()
         if not reached:  # no forward pass seen: nothing is known to wait later (nor watched)

@@ -58,6 +58,16 @@ def write_mark(param: Tensor) -> tuple[int, int, int]:
     return param._version, part._version, part.data_ptr()
 
 
+def is_part_of_a_larger_tensor(param: Tensor) -> bool:
+    """Whether ``param`` spans only part of its memory, as a view of one flat buffer holding
+    many parameters does: its version counter is the buffer's, which writes to any other part
+    move, so it does not tell whether ``param`` itself was written. Not a DTensor: FSDP2 pads
+    each shard's memory of its own, which nothing else writes."""
+    if isinstance(param, _DTENSOR):
+        return False
+    return param.untyped_storage().nbytes() > param.numel() * param.element_size()
+
+
 def describe_sharding(tensor: Tensor) -> str:
     if not is_dtensor(tensor):
         return "a plain tensor"

@@ -181,6 +181,47 @@ def test_a_parameter_written_before_its_update_was_waited_for_is_reported(stream
     stream_order.violations.clear()
 
 
+def in_one_flat_buffer(model: nn.Module) -> nn.Module:
+    """``model`` with every parameter made a view of one flat buffer (contiguous parameter
+    buffers): they share the buffer's version counter."""
+    owners = [(m, n, p) for m in model.modules() for n, p in m.named_parameters(recurse=False)]
+    flat = torch.cat([p.detach().reshape(-1) for *_, p in owners])
+    offset = 0
+    for module, name, p in owners:
+        view = flat[offset : offset + p.numel()].view_as(p)
+        setattr(module, name, nn.Parameter(view))
+        offset += p.numel()
+    return model
+
+
+def test_parts_of_one_flat_buffer_written_by_another_optimizer_are_not_reported(stream_order):
+    """Another optimizer's step writes its own parts of the buffer, which moves the version
+    counter of every part: nothing wrote the overlapped parameters, so nothing is reported (a
+    report is an error, pyproject). Trains as torch's fused AdamW and SGD on separate tensors."""
+
+    def mlp() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    model, reference = in_one_flat_buffer(mlp()), mlp()
+    ours = OffloadAdamW(model[0].parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    ours.overlap_with(model)
+    theirs = torch.optim.AdamW(reference[0].parameters(), lr=0.05, fused=True)
+    sgds = [torch.optim.SGD(net[2].parameters(), lr=0.05) for net in (model, reference)]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        inputs = torch.randn(6, 8, generator=generator)
+        for net, adamw, sgd in ((model, ours, sgds[0]), (reference, theirs, sgds[1])):
+            net(inputs).square().mean().backward()
+            adamw.step()
+            sgd.step()  # writes the last layer's parts of the buffer only
+            adamw.zero_grad()
+            sgd.zero_grad()
+    stream_order.expect_none()
+    ours.wait_for_updates()
+    assert_same(list(model.parameters()), list(reference.parameters()))
+
+
 @pytest.mark.parametrize("wait", ["state_dict", "offloaded_state", "load_state_dict"])
 def test_parameters_written_after_the_optimizer_waited_for_them_are_not_reported(
     stream_order, wait
