@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadAdamW, OffloadMonitor
 from lightning_offload_optim.pipeline import StagingPipeline
+from lightning_offload_optim.step_stats import StepRecord
 
 P = "offload/"
 #: TinyModel: Linear(8, 32), LayerNorm(32), GELU, Linear(32, 1), in forward order.
@@ -350,6 +351,40 @@ def test_training_stopped_between_logging_steps_writes_its_last_interval(tmp_pat
     assert moved(rows) == [4 * STATE, 2 * STATE]
     assert_directions(rows, [2 * STATE, STATE], [2 * STATE, STATE])
     assert monitor.totals["steps"] == 3
+
+
+class FailsAtStep(Callback):
+    """Raises at the end of the batch of optimizer step ``step``, before the monitor's hook."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("failed on purpose")
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["read-at-batch-end", "in-flight"])
+def test_steps_of_a_failed_fit_count_in_the_totals_not_in_the_next_fits_rows(
+    tmp_path, monkeypatch, in_flight
+):
+    """A fit that raised left steps unread: its third (its batch never reached the monitor),
+    and, ``in_flight`` (a device step whose events are not done at its batch's end: every
+    step until the next row), all three. The next fit of the same monitor writes only its own
+    steps in its rows; the totals hold both fits'. Steps taken by hand after the failure, on
+    the failed fit's optimizer, are no fit's."""
+    if in_flight:
+        monkeypatch.setattr(StepRecord, "poll", lambda record: None)
+    monitor, model = OffloadMonitor(summary=False), TinyModel(force_staging=True)
+    with pytest.raises(RuntimeError, match="failed on purpose"):
+        fit(tmp_path, model, monitor, log_every_n_steps=4, callbacks=[FailsAtStep(3)])
+    model.net(torch.randn(2, 8)).sum().backward()
+    model.trainer.optimizers[0].step()
+    logger, _ = fit(tmp_path, TinyModel(force_staging=True), monitor, log_every_n_steps=4)
+    assert [(s, m[P + "interval_steps"]) for s, m in logger.rows] == [(3, 4.0), (5, 2.0)]
+    assert moved(logger.rows)[1:] == [4 * STATE]  # the first total includes the failed fit's
+    assert monitor.totals["steps"] == 3 + 6
+    assert monitor.totals["bytes_in"] == (3 + 6) * STATE
 
 
 class LogsBatchIndex(Callback):

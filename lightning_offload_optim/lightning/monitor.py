@@ -119,6 +119,9 @@ class OffloadMonitor(Callback):
         drop_stale_ctrl_c_hold(trainer)  # from a run that failed before its batch's end
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Steps of a fit that raised, not read yet (a device step in flight): counted in the
+        # totals, not in this fit's first row.
+        self._fold_pending()
         self._optimizers = [
             opt for opt in trainer.optimizers if isinstance(opt, OffloadAdamW) and opt.enabled
         ]
@@ -237,6 +240,13 @@ class OffloadMonitor(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._remove_hooks()  # the optimizers must not keep this callback alive
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Lightning calls no ``teardown`` when ``fit`` raises: steps made by hand afterwards
+        are not this monitor's."""
+        self._remove_hooks()
 
     @staticmethod
     def _logs_now(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
