@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning_models import TinyModel, trainer
 
 from lightning_offload_optim import OffloadMonitor
@@ -32,6 +33,7 @@ def main(out: Path) -> None:
             enable_checkpointing=True,
             use_distributed_sampler=True,
             log_every_n_steps=2,  # the monitor reduces its metrics across both ranks
+            logger=CSVLogger(out / optimizer),  # logged_metrics are kept where there is one
         )
         model = TinyModel(optimizer=optimizer)
         fit.fit(model)
@@ -43,9 +45,7 @@ def main(out: Path) -> None:
             "params": [p.detach().clone() for p in model.parameters()],
             "resumed": [p.detach().clone() for p in resumed.parameters()],
             "steps": monitor.totals["steps"],
-            "interval_steps": fit.logged_metrics.get(
-                "offload/interval_steps", torch.tensor(0.0)
-            ).item(),
+            "interval_steps": float(fit.logged_metrics.get("offload/interval_steps", 0.0)),
         }
     torch.save(results, out / f"rank{fit.global_rank}.pt")
     # Lightning leaves the process group up at exit; one CI run of this script aborted while

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_models import TinyModel, make_data, trainer
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -62,6 +63,7 @@ def run(out: Path, optimizer: str, distributed: bool, common: dict[str, Any]) ->
         enable_checkpointing=True,
         use_distributed_sampler=True,
         log_every_n_steps=2,
+        logger=CSVLogger(out / name),  # logged_metrics are kept where there is one
         **common,
     )
     # The single-file runs stage through separate buffers in small chunks, as on a GPU.

@@ -642,26 +642,17 @@ def test_ddp_host_bytes_summed_over_ranks_with_overlap(tmp_path):
 
 def _ddp_main(out: Path) -> None:
     """Run as a script by the test above; Lightning's launcher starts rank 1 by running it
-    again. Each rank saves the rows it logged (every rank logs; rank zero only writes)."""
+    again. Each rank saves the rows it logged (every rank logs; Lightning's loggers write on
+    rank zero only)."""
 
-    class Capture(Callback):
-        def __init__(self) -> None:
-            self.rows = []
-
-        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-            if trainer._logger_connector.should_update_logs:
-                metrics = {
-                    k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(P)
-                }
-                self.rows.append((trainer.global_step - 1, metrics))
-
-    capture = Capture()
+    capture = CaptureLogger()  # not rank-zero-only, as Lightning's own loggers are
     fitted = trainer(
         out / "run",
         strategy="ddp",
         devices=2,
         max_steps=4,
-        callbacks=[OffloadMonitor(summary=False), capture],
+        logger=capture,
+        callbacks=[OffloadMonitor(summary=False)],
         use_distributed_sampler=True,
         log_every_n_steps=2,
     )

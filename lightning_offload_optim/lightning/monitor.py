@@ -31,10 +31,12 @@ COUNTERS = ("steps", "step_seconds", "copy_in_seconds", "copy_out_seconds", "byt
 class OffloadMonitor(Callback):
     r"""Log transfer time, bandwidth, step time and memory saved by :class:`OffloadAdamW`.
 
-    Values go through ``LightningModule.log_dict``, so every logger (TensorBoard, CSV, MLflow,
-    W&B) receives them, at the Trainer's ``log_every_n_steps``. Between logs they are aggregated
-    with torchmetrics (sums and a max) and reduced across ranks when logged; steps no logged
-    row holds when training ends (or stops) are written then. Timings come from
+    Values go to every logger of the Trainer (TensorBoard, CSV, MLflow, W&B), in rows of their
+    own at Lightning's step, at the Trainer's ``log_every_n_steps``: written directly, as
+    ``LearningRateMonitor`` writes, not through ``LightningModule.log`` (a few hundred
+    microseconds per value). Between logs they are summed (and the slowest step kept) as plain
+    numbers, and reduced across ranks with torchmetrics when logged; steps no logged row holds
+    when training ends (or stops) are written then. Timings come from
     CUDA events read only when a value is logged (no synchronisation on other steps), or from the
     wall clock on the CPU. Units: ms, bytes, and GB = 1e9 bytes. Every figure describes one rank:
     times and bandwidths are means over the steps of all ranks, ``step_ms_max`` is the slowest
@@ -92,7 +94,7 @@ class OffloadMonitor(Callback):
         ... )
         >>> trainer.fit(Model())
         >>> trainer.logged_metrics["offload/memory_saved_bytes"]  # 5 parameters' two moments
-        tensor(40., dtype=torch.float64)
+        40.0
     """
 
     def __init__(self, prefix: str = "offload/", prog_bar: bool = False, summary: bool = True):
@@ -112,7 +114,8 @@ class OffloadMonitor(Callback):
         self._seen: dict[int, StepRecord | None] = {}
         self._pending: list[StepRecord] = []
         self._unlogged = False  # a training batch ended since the last row the monitor wrote
-        self._shown = False  # its values of the last row are still in Lightning's results
+        self._sums = dict.fromkeys(COUNTERS, 0.0)  # since the last row
+        self._slowest = 0.0  # step seconds
         self._saved_at_train_end: int | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -132,10 +135,10 @@ class OffloadMonitor(Callback):
                 "configure_optimizers."
             )
             return
-        # Kept on the CPU between logs (updating it there never waits for the device); moved
-        # to the module's device only to be reduced across ranks when logged.
+        # Updated once per row, on the module's device, where it reduces across ranks.
         self._interval = IntervalTotals()
-        self._unlogged = self._shown = False
+        self._unlogged = False
+        self._sums, self._slowest = dict.fromkeys(COUNTERS, 0.0), 0.0
         self._saved_at_train_end = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -175,33 +178,14 @@ class OffloadMonitor(Callback):
         if not self._logs_now(trainer, pl_module):
             # Batches that step count (the same on every rank: the flush reduces across them).
             self._unlogged |= not _accumulating(trainer, pl_module)
-            if self._shown:
-                self._hide_logged_values(trainer)
             return
-        self._fold_pending()
-        # float64: Lightning keeps it (a float becomes float32, which rounds bytes past 2**24).
-        logged = self._compute_and_reset(pl_module)
-        pl_module.log_dict(
-            {name: torch.tensor(value, dtype=torch.float64) for name, value in logged.items()},
-            on_step=True,
-            on_epoch=False,
+        logged = self._write_row(
+            trainer, pl_module, trainer.fit_loop.epoch_loop._batches_that_stepped
         )
-        self._unlogged, self._shown = False, True
-        if self.prog_bar:
-            saved = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
-            gigabytes = torch.tensor(saved / 1e9, dtype=torch.float64)  # as the row at the end
-            pl_module.log(f"{self.prefix}memory_saved_gb", gigabytes, prog_bar=True)
-
-    def _hide_logged_values(self, trainer: pl.Trainer) -> None:
-        """Lightning writes a row at a batch the monitor did not log when a later hook stops
-        training (``trainer.should_stop``: a ``Timer``'s ``max_time``, early stopping): it
-        would repeat the values of the monitor's last row. Reset, they are left out of it until
-        the monitor logs again (``callback_metrics`` keeps them); :meth:`on_train_end` writes the
-        interval that row should have held."""
-        for item in (getattr(trainer, "_results", None) or {}).values():  # Lightning's own
-            if item.meta.fx == "on_train_batch_end" and item.meta.name.startswith(self.prefix):
-                item.reset()
-        self._shown = False
+        if self.prog_bar:  # the loggers have it in the row
+            name = f"{self.prefix}memory_saved_gb"
+            gigabytes = torch.tensor(logged[name], dtype=torch.float64)
+            pl_module.log(name, gigabytes, prog_bar=True, logger=False)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Note the memory saved before the state leaves the device (the mixin writes resident
@@ -213,14 +197,22 @@ class OffloadMonitor(Callback):
         self._saved_at_train_end = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
         if not self._unlogged or trainer.log_every_n_steps == 0:  # 0: no step rows at all
             return
-        self._fold_pending()
-        logged = self._compute_and_reset(pl_module)  # on every rank: it reduces across them
-        if self.prog_bar:  # as every row
-            logged[f"{self.prefix}memory_saved_gb"] = self._saved_at_train_end / 1e9
-        self._unlogged = False
         step = max(0, trainer.fit_loop.epoch_loop._batches_that_stepped - 1)  # the last batch's
-        for logger in trainer.loggers:
-            logger.log_metrics(logged, step=step)
+        self._write_row(trainer, pl_module, step)
+
+    def _write_row(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int
+    ) -> dict[str, float]:
+        """Write the interval's values to the loggers (``trainer.logged_metrics`` keeps them),
+        on every rank: the values are reduced across ranks. Returns them."""
+        self._fold_pending()
+        logged = self._compute_and_reset(pl_module)
+        if self.prog_bar:
+            saved = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
+            logged[f"{self.prefix}memory_saved_gb"] = saved / 1e9
+        self._unlogged = False
+        trainer._logger_connector.log_metrics(logged, step=step)
+        return logged
 
     def _fold_copies_between_steps(self) -> None:
         for optimizer in self._optimizers:
@@ -274,9 +266,10 @@ class OffloadMonitor(Callback):
             float(stats.bytes_in),
             float(stats.bytes_out),
         )
-        self._interval.update(torch.tensor(values, dtype=torch.float64))
         for name, value in zip(COUNTERS, values, strict=True):
+            self._sums[name] += value
             self.totals[name] += value
+        self._slowest = max(self._slowest, stats.step_seconds)
         return True
 
     def _compute_and_reset(self, pl_module: pl.LightningModule) -> dict[str, float]:
@@ -285,16 +278,15 @@ class OffloadMonitor(Callback):
         An interval whose optimizer steps were all skipped (GradScaler) logs zero times, with
         ``interval_steps`` 0.
         """
-        self._interval.update(torch.zeros(len(COUNTERS), dtype=torch.float64))  # may be stepless
         memory = [opt.memory_stats() for opt in self._optimizers]
         host_bytes = float(sum(m["host_bytes"] for m in memory))
-        self._interval.host_bytes.fill_(host_bytes)
-        self._interval.to(pl_module.device)
+        mine = [*self._sums.values(), self._slowest, host_bytes]
+        self._sums, self._slowest = dict.fromkeys(COUNTERS, 0.0), 0.0
+        self._interval.update(torch.tensor(mine, dtype=torch.float64, device=pl_module.device))
         totals, slowest, host_bytes_all_ranks = self._interval.compute()
         sums = dict(zip(COUNTERS, totals.tolist(), strict=True))
         world_size = max(1, pl_module.trainer.world_size)
         self._interval.reset()
-        self._interval.to("cpu")
         p = self.prefix
         logged = {
             f"{p}memory_saved_bytes": float(sum(_saved_bytes(m) for m in memory)),
@@ -388,7 +380,7 @@ class OffloadMonitor(Callback):
 
 class IntervalTotals(Metric):
     """Sums of :data:`COUNTERS` and the slowest step time since the last log, and the host
-    bytes held now, across ranks."""
+    bytes held now, across ranks (one update per log: this rank's figures)."""
 
     full_state_update = False
 
@@ -400,10 +392,10 @@ class IntervalTotals(Metric):
         self.add_state("slowest", default=scalar, dist_reduce_fx="max")
         self.add_state("host_bytes", default=scalar.clone(), dist_reduce_fx="sum")
 
-    def update(self, values: torch.Tensor) -> None:
-        """Add one step's figures, ordered as :data:`COUNTERS`."""
-        self.sums += values
-        self.slowest = torch.maximum(self.slowest, values[COUNTERS.index("step_seconds")])
+    def update(self, figures: torch.Tensor) -> None:
+        """This rank's sums ordered as :data:`COUNTERS`, its slowest step and its host bytes."""
+        self.sums = figures[: len(COUNTERS)]
+        self.slowest, self.host_bytes = figures[len(COUNTERS)], figures[len(COUNTERS) + 1]
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.sums, self.slowest, self.host_bytes
