@@ -400,11 +400,19 @@ class OffloadAdamW(torch.optim.AdamW):
         devices = {chunk.arena.device for chunk in chunks} if grad_scale is not None else ()
         scales = {device: grad_scale.to(device) for device in devices}
 
+        # Gradients updated as copies (laid out unlike their parameters) go back unscaled once
+        # all their elements are: per such gradient, the elements left (with the overlap,
+        # chunks run in forward order, not in the order of the state's memory).
+        left = (
+            {i: a.slot.layout.numel for i, a in enumerate(active) if _grad_copied(a)}
+            if scales
+            else {}
+        )
         overlap = self._overlapping()
         if overlap is not None:  # the update reads these after step() returns
-            for a in active:
+            for i, a in enumerate(active):
                 self._pipeline.used_by_update(a.flat_grad)
-                if scales and _grad_copied(a):  # the update writes it back unscaled
+                if i in left:  # and writes this one back
                     self._pipeline.used_by_update(local(a.param.grad))
             for step in {s.untyped_storage().data_ptr(): s for s in device_steps}.values():
                 self._pipeline.used_by_update(step)  # the stacked copies of the step counts
@@ -415,6 +423,8 @@ class OffloadAdamW(torch.optim.AdamW):
 
         def update(chunk: Chunk, views: dict[str, Tensor]) -> None:
             self._update_chunk(chunk, views, active, device_steps, hyper, edited, scales)
+            if left:
+                _unscaled_into_copied_grads(chunk, active, left)
 
         # Everything is checked and allocated: from here on the update runs (a Ctrl-C waits).
         with keyboard_interrupts_held():
@@ -613,8 +623,8 @@ class OffloadAdamW(torch.optim.AdamW):
             )
 
     def _collect_active(self, unscales: bool) -> tuple[list[_Active], dict[Tensor, Slot]]:
-        """Check this step's parameters (and gradients, which GradScaler's step, ``unscales``,
-        writes); lay out (not yet adopt) state for new ones."""
+        """Check this step's parameters and gradients (which it writes where it ``unscales``
+        them); lay out (not yet adopt) state for new ones."""
         found: list[tuple[Tensor, Tensor, int, Slot | None, Tensor | None]] = []
         new: list[tuple[Tensor, tuple[str, ...]]] = []
         foreign: list[tuple[Tensor, int, int]] = []
@@ -807,8 +817,6 @@ class OffloadAdamW(torch.optim.AdamW):
                 torch._foreach_copy_(lists.params, targets)
                 if grad_scale is not None:  # the unscaled gradients, rounded
                     torch._foreach_copy_(lists.grads, grads)
-        if grad_scale is not None:
-            _unscaled_into_copied_grads(chunk, active)
 
     # ------------------------------------------------------------ checkpoints
     @_outside_inference_mode
@@ -1256,14 +1264,17 @@ class _KernelLists:
         self.state.append(state)
 
 
-def _unscaled_into_copied_grads(chunk: Chunk, active: list[_Active]) -> None:
-    """A gradient laid out unlike its parameter was updated (unscaled) as a flat copy: once a
-    chunk holds its parameter's last segment, the copy goes back into ``param.grad``, which
-    GradScaler's callers read unscaled after ``step()``, as torch's fused AdamW leaves it."""
+def _unscaled_into_copied_grads(chunk: Chunk, active: list[_Active], left: dict[int, int]) -> None:
+    """A gradient laid out unlike its parameter is updated (unscaled) as a flat copy: once the
+    chunks have unscaled all of it (``left``: elements still to do, by index into ``active``),
+    the copy goes back into ``param.grad``, which GradScaler's callers read unscaled after
+    ``step()``, as torch's fused AdamW leaves it."""
     for seg in chunk.segments:
-        a = active[seg.index]
-        if seg.stop == a.slot.layout.numel and _grad_copied(a):
-            local(a.param.grad).copy_(a.slot.layout.unflat(a.flat_grad))
+        if seg.index in left:
+            left[seg.index] -= seg.stop - seg.start
+            if not left[seg.index]:
+                a = active[seg.index]
+                local(a.param.grad).copy_(a.slot.layout.unflat(a.flat_grad))
 
 
 def _grad_copied(a: _Active) -> bool:

@@ -149,9 +149,9 @@ def check_hyperparameters(group: Mapping[str, Any], where: str) -> Hyperparamete
 
 
 # ------------------------------------------------------------------------------ gradients
-def check_gradient(param: Tensor, group: int, position: int, unscaled: bool = False) -> None:
-    """Refuse what the fused kernel cannot take (or, where GradScaler's step ``unscaled``
-    it in place, write), before anything is modified."""
+def check_gradient(param: Tensor, group: int, position: int, unscales: bool) -> None:
+    """Refuse what the fused kernel cannot take, before anything is modified; where the step
+    ``unscales`` gradients (GradScaler's scale), what it cannot write back."""
     grad = param.grad
     assert grad is not None
     where = describe(group, position)
@@ -167,17 +167,20 @@ def check_gradient(param: Tensor, group: int, position: int, unscaled: bool = Fa
             f"{grad.device}, the parameter {param.dtype} of shape {tuple(param.shape)} on "
             f"{param.device}; they must match"
         )
-    if unscaled and grad.stride() != param.stride() and _shares_memory_within(local(grad)):
+    if unscales and _shares_memory_within(local(grad)):
         raise RuntimeError(
             f"the gradient of {where} has elements that share memory (strides "
-            f"{grad.stride()}: expanded?); GradScaler's step unscales gradients in place, as "
-            "torch's fused AdamW does: give it a gradient of its own (grad.clone())"
+            f"{local(grad).stride()}: expanded?); a step given GradScaler's scale unscales "
+            "gradients in place, as torch's fused AdamW does: give it a gradient of its own "
+            "(grad.clone())"
         )
 
 
 def _shares_memory_within(tensor: Tensor) -> bool:
     """Whether two elements of ``tensor`` may be one memory location: some dimension's stride
     does not pass the furthest offset the dimensions of smaller strides reach."""
+    if tensor.is_contiguous():  # an empty one too (nothing to write)
+        return False
     dims = zip(tensor.shape, tensor.stride(), strict=True)
     reach = 0
     for stride, size in sorted((stride, n) for n, stride in dims if n > 1):

@@ -82,8 +82,10 @@ def test_grad_scale_of_another_float_dtype_unscales_like_torch(dtype, mode):
 @pytest.mark.parametrize("mode", [{}, STAGED], ids=["direct", "staged"])
 def test_an_expanded_gradient_to_unscale_is_refused_before_anything_changes(mode):
     """The update writes gradients back unscaled; one whose elements share memory (expanded
-    from one value) cannot take that, and torch's fused AdamW refuses it too. Refused before
-    the update (the write came after the chunk's kernel ran: a step applied halfway)."""
+    from one value) cannot take that. GradScaler's own check for infs, which writes the
+    gradients in place, refuses it before ``step()``; a scale set by hand reaches the step,
+    which refuses it before the update (the write came after the chunk's kernel: a step
+    applied halfway). An empty one has nothing to write: it is taken."""
     (opt, params), (twin, twin_params) = twins(dtype=torch.float16, **mode)
     before = snapshot(opt, params)
     grad = params[1].grad
@@ -105,6 +107,12 @@ def test_an_expanded_gradient_to_unscale_is_refused_before_anything_changes(mode
     assert_same(params, twin_params)
     assert_same([p.grad for p in params], [p.grad for p in twin_params])
     assert_steps_like_twin(opt, params, twin, twin_params)
+    empty = torch.nn.Parameter(torch.zeros(3, 0, dtype=torch.float16))
+    empty.grad = torch.zeros(1, 0, dtype=torch.float16).expand(3, 0)  # strides (0, 1)
+    alone = OffloadAdamW([empty], **mode)
+    alone.grad_scale, alone.found_inf = torch.tensor(4.0), torch.tensor(0.0)
+    alone.step()
+    assert float(alone.state[empty]["step"]) == 1.0
 
 
 @pytest.mark.parametrize(

@@ -360,6 +360,58 @@ def test_fp16_parameters_under_grad_scaler(stream_order, transposed):
     assert_same([p.grad for p in model.parameters()], unscaled)
 
 
+class UsedSecond(nn.Module):
+    """``big`` is registered (so laid out) first and used second: in forward order the chunk
+    holding the end of its weight, with ``first``'s parameters, goes before the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.big = nn.Linear(20, 10)
+        self.first = nn.Linear(1, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(self.first(x))
+
+
+@pytest.mark.parametrize("late", ["overlap-after-a-step", "loaded-before-a-forward"])
+def test_a_split_gradient_laid_out_unlike_its_parameter_goes_back_whole(stream_order, late):
+    """The state laid out in another order than the forward's (the overlap switched on after
+    a step; a state dict loaded into an overlapped optimizer before any forward pass, as a
+    resume does): the chunk holding the end of ``big.weight`` runs first. Its gradient, laid
+    out unlike it and updated as a copy, goes back into ``p.grad`` once all of it is unscaled.
+    Against torch's fused AdamW given the gradients laid out like the parameters."""
+    model, twin = UsedSecond(), UsedSecond()
+    optimizer = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+    reference = torch.optim.AdamW(twin.parameters(), lr=0.05, fused=True)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(4):
+        inputs = torch.randn(4, 1, generator=generator)
+        for net in (model, twin):
+            net(inputs).square().mean().mul(1000.0).backward()
+        model.big.weight.grad = model.big.weight.grad.t().contiguous().t()
+        if step > 0:  # the first step is an ordinary one: it lays the state out
+            for opt in (optimizer, reference):
+                opt.grad_scale, opt.found_inf = torch.tensor(1000.0), torch.tensor(0.0)
+        for opt in (optimizer, reference):
+            opt.step()
+            opt.__dict__.pop("grad_scale", None)
+            opt.__dict__.pop("found_inf", None)
+        if step == 0 and late == "loaded-before-a-forward":
+            saved = optimizer.state_dict()
+            optimizer = OffloadAdamW(model.parameters(), lr=0.05, force_staging=True, chunk_size=64)
+            optimizer.overlap_with(model)
+            optimizer.load_state_dict(saved)
+        elif step == 0:
+            optimizer.overlap_with(model)
+        optimizer.wait_for_updates()
+        assert_same([p.grad for p in model.parameters()], [p.grad for p in twin.parameters()])
+        assert_same(list(model.parameters()), list(twin.parameters()))
+        optimizer.zero_grad()
+        reference.zero_grad()
+    stream_order.expect_none()
+
+
 def test_a_lazy_module_materialized_after_overlap_with(stream_order):
     """overlap_with before the first forward pass (the mixin calls it in configure_optimizers)
     on a lazy module: its parameters get their gradient hooks once materialized and stepped
