@@ -77,6 +77,15 @@ _WRAPPED_WARNING = (
 )
 
 
+def _write_mark(param: Tensor) -> tuple[int, int, int]:
+    """``write_mark``, less the version counters of a part of a larger tensor (a view of one
+    flat buffer holding many parameters), which writes to any other part move; where its
+    memory is still tells a replacement (``p.data = ...``)."""
+    if is_part_of_a_larger_tensor(param):
+        return 0, 0, param.data_ptr()
+    return write_mark(param)
+
+
 def _warn_at_the_callers_line(message: str) -> None:
     """``warnings.warn(message)`` attributed to the first frame outside this package, torch and
     Lightning: the user's line that stepped, ran the forward or called ``fit`` (the depth from
@@ -121,9 +130,8 @@ class ForwardOverlap:
         #: Per parameter, the event after which its latest update is done (and its device).
         self.pending: dict[Tensor, tuple[Any, torch.device]] = {}
         #: Per parameter whose update the caller's stream has not waited for yet, its
-        #: ``write_mark`` when the update was queued: a write since then raced with the update
-        #: (None for a part of a larger tensor, whose version counter is not its own).
-        self._unordered: dict[Tensor, tuple[int, int, int] | None] = {}
+        #: ``_write_mark`` when the update was queued: a write since then raced with the update.
+        self._unordered: dict[Tensor, tuple[int, int, int]] = {}
         #: Parameters by first use in a forward pass, once one has run.
         self.order: dict[Tensor, int] = {}
         self._count = sum(1 for _ in module.parameters())  # order is complete at this size
@@ -304,10 +312,7 @@ class ForwardOverlap:
         passes before it, or in any before (they stay "early": read before any hook)."""
         current = {param: (event, device) for param, event, device in updates}
         self.pending.update(current)  # a parameter without a gradient keeps its last event
-        self._unordered.update(
-            (param, None if is_part_of_a_larger_tensor(param) else write_mark(param))
-            for param in current
-        )
+        self._unordered.update((param, _write_mark(param)) for param in current)
         self._hook_gradients(current)  # parameters unfrozen or outside the module since
         reached, self._reached = self._reached, set()
         if not reached:  # no forward pass seen: nothing is known to wait later (nor watched)
@@ -389,7 +394,7 @@ class ForwardOverlap:
         written = 0
         for param in params:
             mark = self._unordered.pop(param, None)
-            written += mark is not None and write_mark(param) != mark
+            written += mark is not None and _write_mark(param) != mark
         if written:
             _warn_at_the_callers_line(_WRITTEN_WARNING.format(count=written))
 
