@@ -512,6 +512,26 @@ def test_interval_totals_reduce_the_slowest_step_as_a_maximum_over_ranks():
     assert host_bytes.item() == 200.0
 
 
+@pytest.mark.parametrize("prog_bar", [False, True])
+def test_without_a_logger_rows_are_reduced_only_for_the_progress_bar(
+    tmp_path, monkeypatch, prog_bar
+):
+    """``logger=False``: a row no logger writes is not computed (its reduction is a collective
+    on every logging step under DDP), unless the progress bar shows it. The totals and the
+    summary count every step either way."""
+    from lightning_offload_optim.lightning.monitor import IntervalTotals
+
+    computed = []
+    real = IntervalTotals.compute
+    monkeypatch.setattr(IntervalTotals, "compute", lambda m: computed.append(1) or real(m))
+    monitor = OffloadMonitor(summary=False, prog_bar=prog_bar)
+    fitted = trainer(tmp_path, logger=False, log_every_n_steps=2, callbacks=[monitor])
+    fitted.fit(TinyModel(force_staging=True))
+    assert len(computed) == (3 if prog_bar else 0)  # 6 steps, every 2nd logs
+    assert monitor.totals["steps"] == 6
+    assert ("offload/memory_saved_gb" in fitted.progress_bar_metrics) == prog_bar
+
+
 def test_summary_false_prints_no_summary(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         trainer(tmp_path, callbacks=[OffloadMonitor(summary=False)]).fit(TinyModel())

@@ -114,8 +114,7 @@ class OffloadMonitor(Callback):
         self._seen: dict[int, StepRecord | None] = {}
         self._pending: list[StepRecord] = []
         self._unlogged = False  # a training batch ended since the last row the monitor wrote
-        self._sums = dict.fromkeys(COUNTERS, 0.0)  # since the last row
-        self._slowest = 0.0  # step seconds
+        self._new_interval()
         self._saved_at_train_end: int | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -138,7 +137,7 @@ class OffloadMonitor(Callback):
         # Updated once per row, on the module's device, where it reduces across ranks.
         self._interval = IntervalTotals()
         self._unlogged = False
-        self._sums, self._slowest = dict.fromkeys(COUNTERS, 0.0), 0.0
+        self._new_interval()
         self._saved_at_train_end = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -195,8 +194,8 @@ class OffloadMonitor(Callback):
         if not self._optimizers:
             return
         self._saved_at_train_end = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
-        if not self._unlogged or trainer.log_every_n_steps == 0:  # 0: no step rows at all
-            return
+        if not self._unlogged or trainer.log_every_n_steps == 0 or not trainer.loggers:
+            return  # log_every_n_steps=0: no step rows at all
         step = max(0, trainer.fit_loop.epoch_loop._batches_that_stepped - 1)  # the last batch's
         self._write_row(trainer, pl_module, step)
 
@@ -208,8 +207,9 @@ class OffloadMonitor(Callback):
         self._fold_pending()
         logged = self._compute_and_reset(pl_module)
         if self.prog_bar:
-            saved = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
-            logged[f"{self.prefix}memory_saved_gb"] = saved / 1e9
+            logged[f"{self.prefix}memory_saved_gb"] = (
+                logged[f"{self.prefix}memory_saved_bytes"] / 1e9
+            )
         self._unlogged = False
         trainer._logger_connector.log_metrics(logged, step=step)
         return logged
@@ -240,12 +240,18 @@ class OffloadMonitor(Callback):
         are not this monitor's."""
         self._remove_hooks()
 
-    @staticmethod
-    def _logs_now(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-        """Whether Lightning writes this batch's step metrics (the same on every rank)."""
+    def _new_interval(self) -> None:
+        self._sums = dict.fromkeys(COUNTERS, 0.0)  # since the last row
+        self._slowest = 0.0  # the slowest step's seconds
+
+    def _logs_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Whether this batch gets a row: Lightning writes its step metrics (the same on every
+        rank), and a logger or the progress bar shows it (else no collective reduces it)."""
         if _accumulating(trainer, pl_module):
             return False  # Lightning drops step logs of accumulating batches
-        return trainer._logger_connector.should_update_logs
+        return (
+            bool(trainer.loggers or self.prog_bar) and trainer._logger_connector.should_update_logs
+        )
 
     def _fold_pending(self) -> None:
         """Fold in every step not read yet, waiting for their last events (logging, saving)."""
@@ -281,7 +287,7 @@ class OffloadMonitor(Callback):
         memory = [opt.memory_stats() for opt in self._optimizers]
         host_bytes = float(sum(m["host_bytes"] for m in memory))
         mine = [*self._sums.values(), self._slowest, host_bytes]
-        self._sums, self._slowest = dict.fromkeys(COUNTERS, 0.0), 0.0
+        self._new_interval()
         self._interval.update(torch.tensor(mine, dtype=torch.float64, device=pl_module.device))
         totals, slowest, host_bytes_all_ranks = self._interval.compute()
         sums = dict(zip(COUNTERS, totals.tolist(), strict=True))
