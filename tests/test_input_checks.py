@@ -115,6 +115,28 @@ def test_an_expanded_gradient_to_unscale_is_refused_before_anything_changes(mode
     assert float(alone.state[empty]["step"]) == 1.0
 
 
+def test_zero_strides_on_dimensions_of_size_one_share_no_memory():
+    """A gradient whose only zero strides are on dimensions of size 1 (a transposed one, whose
+    size-1 dimension got stride 0) shares no memory: it is updated and unscaled as a contiguous
+    copy of it would be."""
+
+    def params() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(2, 1, 3))]
+
+    ours, twins = params(), params()
+    grads = [torch.arange(6.0).mul(8).as_strided((2, 1, 3), (1, 0, 2))]
+    assert not grads[0].is_contiguous()
+    for p, twin, grad in zip(ours, twins, grads, strict=True):
+        p.grad, twin.grad = grad, grad.clone()
+        assert p.grad.stride() != p.stride()
+    for opt in (OffloadAdamW(ours, lr=0.1), OffloadAdamW(twins, lr=0.1)):
+        opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.tensor(0.0)
+        opt.step()
+    assert_same(ours, twins)
+    assert_same([p.grad for p in ours], [p.grad for p in twins])
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [

@@ -346,6 +346,25 @@ def test_logged_timings_are_per_step_sums_over_chunks(tmp_path, monkeypatch):
         assert moved == 2 * 2 * (i + 1) * bytes_per_step
 
 
+class SlowFirstStep(FakeClock):
+    """A second passes between the first step's start (the first call) and its first copy."""
+
+    def perf_counter(self) -> float:
+        return super().perf_counter() + (1.0 if self.calls > 1 else 0.0)
+
+
+@pytest.mark.no_stream_check  # the production CPU path: spans timed with time.perf_counter
+def test_the_slowest_step_is_that_of_its_rows_interval(tmp_path, monkeypatch):
+    """A slow first step (a warm-up) is the maximum of the first row only."""
+    fake_time = types.SimpleNamespace(perf_counter=SlowFirstStep().perf_counter)
+    monkeypatch.setattr(step_stats, "time", fake_time)
+    monkeypatch.setattr(pipeline, "time", fake_time)
+    rows = logged_rows(tmp_path, TinyModel(force_staging=True), callbacks=[OffloadMonitor()])
+    step_ms = 1.0 + 4 * 7  # as above: 7 chunks, 1 ms per clock call
+    maxima = [float(r["offload/step_ms_max"]) for r in rows]
+    assert maxima == pytest.approx([1000 + step_ms, step_ms, step_ms], rel=1e-12)
+
+
 class PinningModel(TinyModel):
     """Builds its OffloadAdamW (pin_memory=None) as if an accelerator were available."""
 

@@ -353,6 +353,16 @@ def test_training_stopped_between_logging_steps_writes_its_last_interval(tmp_pat
     assert monitor.totals["steps"] == 3
 
 
+@pytest.mark.parametrize("prog_bar", [False, True])
+def test_rows_hold_the_documented_names_and_no_others(tmp_path, prog_bar):
+    from test_monitor import NAMES
+
+    monitor = OffloadMonitor(summary=False, prog_bar=prog_bar)
+    logger, _ = fit(tmp_path, TinyModel(), monitor, log_every_n_steps=2, max_steps=3)
+    expected = NAMES | ({P + "memory_saved_gb"} if prog_bar else set())
+    assert [set(m) for _, m in logger.rows] == [expected, expected]  # steps 1, and 2 at the end
+
+
 class FailsAtStep(Callback):
     """Raises at the end of the batch of optimizer step ``step``, before the monitor's hook."""
 

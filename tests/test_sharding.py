@@ -401,3 +401,30 @@ def test_bf16_dtensor_weights_written_between_steps_reach_the_master_copies(mesh
         [ours.offloaded_state(param)["master_param"].full_tensor()],
         [masters.masters[twin].full_tensor()],
     )
+
+
+def test_a_dtensor_gradient_laid_out_unlike_its_parameter_goes_back_unscaled(mesh):
+    """Under a scale (GradScaler's, sharded), a DTensor's local gradient laid out unlike its
+    local parameter is updated as a copy, which goes back into the local gradient (the DTensor
+    itself takes no plain tensor). Against a plain parameter given the same gradient."""
+    torch.manual_seed(0)
+    weight, grad = torch.randn(6, 4), torch.randn(4, 6).t() * 8  # laid out unlike the weight
+    sharded = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+    plain = torch.nn.Parameter(weight.clone())
+    sharded.grad = DTensor.from_local(grad.clone(), mesh, [Shard(0)])
+    plain.grad = grad.clone()
+    for opt in (OffloadAdamW([sharded], lr=0.1), OffloadAdamW([plain], lr=0.1)):
+        opt.grad_scale, opt.found_inf = torch.tensor(8.0), torch.tensor(0.0)
+        opt.step()
+    assert_same([sharded.to_local(), sharded.grad.to_local()], [plain, plain.grad])
+    assert_same([plain.grad], [grad / 8])
+
+
+def test_a_dtensor_over_part_of_a_buffer_keeps_its_version_counter_checked(mesh):
+    """A DTensor's storage size counts its local tensor's offset: one over part of a buffer is
+    not taken for a part of a larger tensor, whose writes the overlap could not tell apart."""
+    from lightning_offload_optim.sharding import is_part_of_a_larger_tensor
+
+    local = torch.randn(20)[2:8].view(2, 3)
+    assert is_part_of_a_larger_tensor(local)
+    assert not is_part_of_a_larger_tensor(DTensor.from_local(local, mesh, [Shard(0)]))
