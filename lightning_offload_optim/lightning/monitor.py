@@ -195,7 +195,7 @@ class OffloadMonitor(Callback):
             return
         self._saved_at_train_end = sum(_saved_bytes(opt.memory_stats()) for opt in self._optimizers)
         if not self._unlogged or trainer.log_every_n_steps == 0 or not trainer.loggers:
-            return  # log_every_n_steps=0: no step rows at all
+            return  # every step is in a row, step rows are off, or no logger writes one
         step = max(0, trainer.fit_loop.epoch_loop._batches_that_stepped - 1)  # the last batch's
         self._write_row(trainer, pl_module, step)
 
