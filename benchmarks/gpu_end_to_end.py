@@ -96,8 +96,9 @@ class Config:
 
 
 #: OffloadAdamW variants: whether the step overlaps the next forward, and the resident share.
-#: By arithmetic (16 bytes per parameter, 48 GB for 3B), "auto" keeps all of a 1B or 3B model's
-#: state resident on an H200; 50% shows a model whose state does not fit.
+#: By arithmetic (state of 8 bytes per parameter in bf16-mixed, 12 with bf16-true's master copy:
+#: 24 or 36 GB for 3B), "auto" keeps all or most of a 1B or 3B model's state resident on an H100
+#: or H200; 50% shows a model whose state does not fit.
 OFFLOAD_VARIANTS = {
     "OffloadAdamW + overlap": (True, None),
     "OffloadAdamW + overlap + resident auto": (True, "auto"),

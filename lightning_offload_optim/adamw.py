@@ -644,6 +644,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 state = states.get(param)
                 slot = slots.get(param)
                 if not state:  # a first step, or state cleared since
+                    ParamLayout.of(part, describe(g, position))  # refuse a non-dense one by name
                     new.append((param, state_keys(param, group["amsgrad"])))
                     slot = None
                 elif slot is None or _written_by_others(state):
@@ -694,8 +695,9 @@ class OffloadAdamW(torch.optim.AdamW):
                 f"{part.stride()}, dtype {part.dtype}, device {part.device}. Move or cast "
                 "the model before creating the optimizer, or create a new optimizer."
             )
+        new = ParamLayout.of(part, describe(group, position))
         self._wait_host()
-        slot.relayout(param)
+        slot.relayout(new)
         self._pipeline.host_written()
 
     def _chunk_limit(self, arena: Arena) -> int:

@@ -98,15 +98,17 @@ class ParamLayout:
         return self.order != tuple(range(len(self.order)))
 
     @classmethod
-    def of(cls, param: Tensor) -> ParamLayout:
-        """The layout of ``param``'s local part (its shard, for a DTensor)."""
+    def of(cls, param: Tensor, where: str = "a parameter") -> ParamLayout:
+        """The layout of ``param``'s local part (its shard, for a DTensor); ``where`` names the
+        parameter in the error for one that is not dense."""
         param = local(param)
         real = torch.view_as_real(param) if param.is_complex() else param
         order = tuple(sorted(range(real.dim()), key=lambda d: -real.stride(d)))
         if not real.permute(order).is_contiguous():
             raise ValueError(
-                f"OffloadAdamW needs dense parameters; got one of shape {tuple(param.shape)} "
-                f"with strides {param.stride()} (overlapping or with gaps)"
+                f"OffloadAdamW needs dense parameters; {where} has shape {tuple(param.shape)} "
+                f"and strides {param.stride()} (overlapping or with gaps: expanded, or a "
+                "strided slice of a larger tensor?)"
             )
         return cls(param.shape, param.stride(), param.dtype, param.device, real.numel(), order)
 
@@ -379,13 +381,12 @@ class Slot:
         """Drop the cached view of the parameter (it keeps the parameter's memory alive)."""
         self._flat_param = None
 
-    def relayout(self, param: Tensor) -> None:
-        """Reorder the state to ``param``'s new strides (same shape, dtype and device).
+    def relayout(self, new: ParamLayout) -> None:
+        """Reorder the state to the parameter's ``new`` strides (same shape, dtype and device).
 
         The state stays in the parameter's memory order, so the fused kernel sees parameter,
         gradient and state element for element. Values are unchanged.
         """
-        new = ParamLayout.of(param)
         for key in self.arena.keys:
             view = self.view(key)
             view.copy_(new.flat(self.layout.unflat(view).clone()))

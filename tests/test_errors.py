@@ -224,12 +224,30 @@ def test_a_fixed_setting_refused_names_the_mixins_hparam_only_where_there_is_one
         assert f"(the mixin's hparam {hparam})" in str(refused.value)
 
 
-def test_non_dense_parameter_is_refused():
+def test_non_dense_parameter_is_refused_by_name_before_anything_changes():
+    dense = torch.nn.Parameter(torch.randn(5))
     param = torch.nn.Parameter(torch.randn(3, 1).expand(3, 4))
-    opt = OffloadAdamW([param])
-    param.grad = torch.ones(3, 4)
-    with pytest.raises(ValueError, match="needs dense parameters"):
+    opt = OffloadAdamW([{"params": [dense]}, {"params": [param]}])
+    dense.grad, param.grad = torch.ones(5), torch.ones(3, 4)
+    before = dense.detach().clone()
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 1 has shape \(3, 4\)"):
         opt.step()
+    assert torch.equal(dense, before) and not opt.state
+
+
+def test_a_parameter_made_non_dense_after_its_first_step_is_refused_by_name():
+    """``p.data = x[:, ::2]`` keeps shape, dtype and device: only its strides change, which
+    OffloadAdamW follows for dense layouts (channels_last) and must refuse, naming the
+    parameter, where its elements have gaps; nothing is changed by the refused step."""
+    opt, params = trained()
+    before = snapshot(opt, params)
+    rows, cols = params[3].shape
+    wider = torch.zeros(rows, 2 * cols, dtype=params[3].dtype)
+    wider[:, ::2] = params[3].detach()
+    params[3].data = wider[:, ::2]
+    with pytest.raises(ValueError, match=r"parameter 3 of param group 0 has shape"):
+        opt.step()
+    assert_unchanged(opt, params, before)
 
 
 def fail_allocations(monkeypatch, what: str) -> None:
