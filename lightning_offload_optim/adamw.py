@@ -316,9 +316,10 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, but a parameter listed twice in one group is refused (torch only warns,
-        then steps it twice per step). Groups record ``fused=True``: that is the kernel used,
-        and ``torch.optim.AdamW`` loading the state dict then uses it too. Its hyperparameters
-        are checked here, as at every step: a group every step would refuse is refused now."""
+        then steps it twice per step), and one in an earlier group is named. Groups record
+        ``fused=True``: that is the kernel used, and ``torch.optim.AdamW`` loading the state dict
+        then uses it too. Its hyperparameters are checked here, as at every step: a group every
+        step would refuse is refused now."""
         params = param_group.get("params") if isinstance(param_group, dict) else None
         if params is not None and self.enabled:
             check_hyperparameters(
@@ -331,6 +332,11 @@ class OffloadAdamW(torch.optim.AdamW):
             param_group["params"] = params = list(params)
             tensors = [p[1] if isinstance(p, tuple) else p for p in params]
             first: dict[int, int] = {}
+            listed = {
+                id(p): (g, position)
+                for g, listed_group in enumerate(self.param_groups)
+                for position, p in enumerate(listed_group["params"])
+            }
             for position, param in enumerate(tensors):
                 if self.enabled:  # disabled, it is torch's AdamW, which takes them
                     refuse_fsdp1(param, f"parameter {position} of param group {group}")
@@ -338,6 +344,12 @@ class OffloadAdamW(torch.optim.AdamW):
                     raise ValueError(
                         f"parameter {first[id(param)]} of the new param group is listed again "
                         f"at position {position}; list each parameter once"
+                    )
+                if id(param) in listed:  # torch refuses it too, without naming it
+                    raise ValueError(
+                        f"parameter {position} of the new param group is "
+                        f"{describe(*listed[id(param)])} already; a parameter can be in one "
+                        "param group only"
                     )
                 first[id(param)] = position
         super().add_param_group(param_group)

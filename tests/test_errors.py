@@ -567,6 +567,18 @@ def test_a_parameter_listed_twice_is_refused_at_construction():
     assert len(opt.param_groups) == 1
 
 
+def test_a_parameter_in_two_groups_is_refused_naming_both_places():
+    """torch refuses it too ("some parameters appear in more than one parameter group"),
+    without saying which; nothing is added."""
+    params = make_params()
+    with pytest.raises(ValueError, match="parameter 1 of the new param group is parameter 2 of"):
+        OffloadAdamW([{"params": params[:3]}, {"params": [params[3], params[2]]}])
+    opt = OffloadAdamW([{"params": params[:2]}, {"params": params[2:4]}])
+    with pytest.raises(ValueError, match="is parameter 1 of param group 1 already"):
+        opt.add_param_group({"params": [params[4], params[3]]})
+    assert len(opt.param_groups) == 2
+
+
 @pytest.mark.parametrize("name", ["grad_scale", "found_inf"])
 def test_a_gradient_scale_that_grad_scaler_would_not_set_is_refused(name):
     """GradScaler sets 1-element float tensors; anything else, set by hand, is refused before

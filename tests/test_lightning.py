@@ -191,6 +191,76 @@ def test_mixin_after_lightning_module_is_refused():
             pass
 
 
+class _Regression(pl.LightningModule):
+    """A module someone already trains: its own optimizer and schedule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(), batch_size=4)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=5e-3)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 2)]
+
+
+def test_a_base_configure_optimizers_the_mixin_hides_is_warned_of_once():
+    """Adopting the mixin in front of a module that has its own ``configure_optimizers``
+    drops that one (its lr, groups and scheduler) for the mixin's: said once, where the mixin
+    is put in front; not where a subclass inherits the choice, nor where the class defines
+    its own ``configure_optimizers`` (wrapping the mixin's)."""
+    with pytest.warns(UserWarning, match=r"before _Regression\.configure_optimizers") as said:
+
+        class Adopted(OffloadOptimizerMixin, _Regression):
+            pass
+
+    assert len(said) == 1 and said[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        class Subclass(Adopted):
+            pass
+
+        class Wrapping(OffloadOptimizerMixin, _Regression):
+            def configure_optimizers(self) -> Any:
+                return super().configure_optimizers()
+
+        class Plain(OffloadOptimizerMixin, pl.LightningModule):
+            pass
+
+
+@pytest.mark.parametrize("returns", ["torch AdamW", "super()", "OffloadAdamW"])
+def test_a_configure_optimizers_that_bypasses_the_mixin_is_warned_of(tmp_path, returns):
+    """Inheriting the mixin but keeping one's own ``configure_optimizers`` (the common way to
+    adopt it) offloads nothing: the fit says so, naming the method, unless an optimizer is an
+    OffloadAdamW (built by the mixin or by hand)."""
+
+    class Kept(OffloadOptimizerMixin, _Regression):
+        def configure_optimizers(self) -> Any:
+            if returns == "super()":
+                return super().configure_optimizers()
+            if returns == "OffloadAdamW":
+                return OffloadAdamW(self.parameters())
+            return _Regression.configure_optimizers(self)
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer(tmp_path, max_steps=2).fit(Kept())
+    bypassed = [w for w in said if "none of its optimizers is an OffloadAdamW" in str(w.message)]
+    if returns == "torch AdamW":
+        assert len(bypassed) == 1
+        assert "(AdamW): " in str(bypassed[0].message)
+        assert "Kept.configure_optimizers replaces the mixin's" in str(bypassed[0].message)
+    else:
+        assert not bypassed
+
+
 def test_mixin_rejects_an_unknown_schedule():
     model = TinyModel(lr_schedule="linear")
     with pytest.raises(ValueError, match="lr_schedule must be None, 'constant' or 'cosine'"):
@@ -573,7 +643,7 @@ def test_a_group_with_a_parameter_already_held_is_refused_whole():
         ]
 
     before = groups()
-    with pytest.raises(ValueError, match="more than one parameter group"):
+    with pytest.raises(ValueError, match="parameter 1 of the new param group is parameter 0 of"):
         optimizer.add_param_group({"params": [new, held]})
     assert groups() == before
 

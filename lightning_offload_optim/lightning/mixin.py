@@ -167,6 +167,16 @@ class OffloadOptimizerMixin:
                 f"as in `class {cls.__name__}(OffloadOptimizerMixin, LightningModule)`; after it, "
                 "Lightning's own configure_optimizers would shadow the mixin's."
             )
+        if shadowed := _shadowed_configure_optimizers(cls):
+            names = ", ".join(f"{k.__qualname__}.configure_optimizers" for k in shadowed)
+            warnings.warn(
+                f"{cls.__name__}: OffloadOptimizerMixin.configure_optimizers comes before "
+                f"{names} in the bases, so the latter is not used (its optimizer, lr and "
+                "schedulers are dropped): the mixin builds OffloadAdamW from self.hparams. To "
+                f"keep parts of it, define configure_optimizers in {cls.__name__} and wrap "
+                "super().configure_optimizers() (docs/quickstart.md).",
+                stacklevel=2,
+            )
 
     def offload_hparam(self, name: str) -> Any:
         """``self.hparams[name]`` if saved, else the documented default (with a warning where
@@ -311,6 +321,17 @@ class OffloadOptimizerMixin:
                 f"overlap_step is turned off: {type(averaging[0]).__name__} reads the "
                 "weights right after each optimizer step, before the next forward pass "
                 "could overlap the step.",
+                stacklevel=2,
+            )
+        optimizers = trainer.optimizers if trainer is not None else []
+        if optimizers and not any(isinstance(o, OffloadAdamW) for o in optimizers):
+            owner = next(k for k in type(self).__mro__ if "configure_optimizers" in vars(k))
+            warnings.warn(
+                f"{type(self).__name__} inherits OffloadOptimizerMixin, but none of its "
+                f"optimizers is an OffloadAdamW ({', '.join(type(o).__name__ for o in optimizers)}"
+                f"): {owner.__qualname__}.configure_optimizers replaces the mixin's, so no "
+                "optimizer state is offloaded. Remove it, or return (or wrap) "
+                "super().configure_optimizers() there (docs/quickstart.md).",
                 stacklevel=2,
             )
         for config in trainer.lr_scheduler_configs if trainer is not None else []:
@@ -496,6 +517,22 @@ def _init_parameters(cls: type) -> frozenset[str]:
         return frozenset()
 
 
+def _shadowed_configure_optimizers(cls: type) -> list[type]:
+    """Classes after OffloadOptimizerMixin and before LightningModule in ``cls``'s MRO whose
+    ``configure_optimizers`` the mixin's hides, where no class before the mixin defines one
+    (wrapping the mixin's) and no base of ``cls`` hid them already (it warned)."""
+    mro = cls.__mro__
+    start = mro.index(OffloadOptimizerMixin)
+    if any("configure_optimizers" in vars(k) for k in mro[:start]):
+        return []
+    end = mro.index(pl.LightningModule) if pl.LightningModule in mro else len(mro)
+    hidden = [k for k in mro[start + 1 : end] if "configure_optimizers" in vars(k)]
+    for base in cls.__bases__:
+        if base is not OffloadOptimizerMixin and issubclass(base, OffloadOptimizerMixin):
+            hidden = [k for k in hidden if k not in _shadowed_configure_optimizers(base)]
+    return hidden
+
+
 def _names_argument(message: str, argument: str) -> bool:
     """Whether an error is about ``argument``, in OffloadAdamW's words or torch's ("Invalid
     learning rate", "Invalid beta parameter", "Invalid epsilon value"); one about the
@@ -612,7 +649,7 @@ def split_groups_added_later(optimizer: torch.optim.Optimizer, model: torch.nn.M
         kept = [p for p in params if isinstance(p, torch.Tensor) and id(p) in spared]
         decayed = [p for p in params if not (isinstance(p, torch.Tensor) and id(p) in spared)]
         if decay == 0 or not kept or any(id(p) in existing for p in params):
-            return add(optimizer, {**param_group, "params": params})  # torch's checks apply
+            return add(optimizer, {**param_group, "params": params})  # refused whole, if at all
         if not decayed:  # nothing to split from: the whole group is spared
             return add(optimizer, {**param_group, "params": params, "weight_decay": 0.0})
         link = 1 + max((g.get(LINKED_GROUP_KEY, -1) for g in optimizer.param_groups), default=-1)
