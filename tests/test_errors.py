@@ -567,6 +567,14 @@ def test_a_parameter_listed_twice_is_refused_at_construction():
     assert len(opt.param_groups) == 1
 
 
+def test_a_state_dict_that_is_not_a_dict_is_refused_by_name():
+    opt, params = trained()
+    before = snapshot(opt, params)
+    with pytest.raises(TypeError, match="state_dict must be a dict, got list"):
+        opt.load_state_dict([before[1]])
+    assert_unchanged(opt, params, before)
+
+
 def test_a_parameter_in_two_groups_is_refused_naming_both_places():
     """torch refuses it too ("some parameters appear in more than one parameter group"),
     without saying which; nothing is added."""

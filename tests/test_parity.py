@@ -432,6 +432,12 @@ def test_disabled_is_torch_adamw_with_its_default_kernel():
         state, keys = offload.offloaded_state(p), ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
         assert list(state) == keys
         assert_same(list(state.values()), [torch_opt.state[r][k] for k in keys])
+    # Loaded as torch loads it: the state stays bf16 (offloaded, it would be upcast to fp32).
+    resumed = OffloadAdamW(params, weight_decay=0.1, amsgrad=True, enabled=False)
+    resumed.load_state_dict(copy.deepcopy(offload.state_dict()))
+    assert {resumed.state[p]["exp_avg"].dtype for p in params} == {torch.bfloat16}
+    step_together([resumed, torch_opt], [params, reference], torch.Generator().manual_seed(7), 2)
+    assert_same(params, reference)
 
 
 def test_disabled_add_param_group_takes_what_torch_adamw_takes():
