@@ -52,6 +52,7 @@ from lightning_offload_optim.validation import (
     check_entry,
     check_gradient,
     check_hyperparameters,
+    check_kernel_flags,
     check_resident,
     checked_step,
     describe,
@@ -186,6 +187,9 @@ class OffloadAdamW(torch.optim.AdamW):
 
     Args:
         params, lr, betas, eps, weight_decay, amsgrad, maximize: as :class:`torch.optim.AdamW`.
+        foreach, capturable, differentiable, fused: taken where the offloaded step honours them
+            (it always runs the fused kernel: ``fused=True``, ``foreach=False``), refused
+            otherwise; with ``enabled=False``, passed to torch's AdamW as given.
         pin_memory: page-lock the host buffers (needed for copies that overlap compute).
             ``None`` pins when an accelerator is available; ``True`` without one warns and
             falls back to ordinary memory, as does a host that refuses to pin.
@@ -217,6 +221,7 @@ class OffloadAdamW(torch.optim.AdamW):
 
     enabled = _FixedSetting()
     chunk_size = _FixedSetting()
+    _torch_amp_scaling = False
     pin_memory = _FixedSetting()
     force_staging = _FixedSetting()
 
@@ -226,12 +231,20 @@ class OffloadAdamW(torch.optim.AdamW):
         ``grad_scale`` and ``found_inf``, taken as torch's fused AdamW takes them) instead of
         unscaling them first: only where there are fp16 gradients, which its ``unscale_``
         refuses. Elsewhere it unscales them, so that Lightning can clip unscaled gradients (it
-        refuses to clip for an optimizer that unscales them itself)."""
-        return self.enabled and any(
+        refuses to clip for an optimizer that unscales them itself). Disabled, torch's: True
+        for ``fused=True``."""
+        if not self.enabled:
+            return self._torch_amp_scaling
+        return any(
             p.grad is not None and p.grad.dtype == torch.float16
             for group in self.param_groups
             for p in group["params"]
         )
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        """Set by torch's constructor for ``fused=True`` (given only where disabled)."""
+        self._torch_amp_scaling = value
 
     def __init__(
         self,
@@ -243,6 +256,10 @@ class OffloadAdamW(torch.optim.AdamW):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         pin_memory: bool | None = None,
         enabled: bool = True,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -259,6 +276,15 @@ class OffloadAdamW(torch.optim.AdamW):
             if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
                 kind = "a bool or None" if name == "pin_memory" else "a bool"
                 raise TypeError(f"{name} must be {kind}, got {flag!r}")  # bool("false") is True
+        kernel = {
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+        }
+        if enabled:  # the fused kernel, always; disabled, torch's AdamW takes them as given
+            check_kernel_flags(kernel)
+            kernel = {}
         # Set before torch's constructor, whose add_param_group calls read them.
         self._enabled = enabled
         self._chunk_size = chunk_size - chunk_size % SPLIT_ALIGNMENT
@@ -266,7 +292,9 @@ class OffloadAdamW(torch.optim.AdamW):
         self.resident = resident
         self._pin_memory = _resolve_pin_memory(pin_memory) if enabled else False
         try:
-            super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
+            super().__init__(
+                params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, **kernel
+            )
         except (TypeError, IndexError):  # torch's checks meet lr="1e-3", betas=(0.9,) with this
             given = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
             check_hyperparameters(

@@ -55,6 +55,28 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+#: torch.optim.AdamW's kernel choices, and the values an offloaded step honours: it always
+#: runs torch's fused kernel, eagerly, outside autograd.
+KERNEL_FLAGS_TAKEN: dict[str, tuple[bool | None, ...]] = {
+    "foreach": (None, False),
+    "capturable": (False,),
+    "differentiable": (False,),
+    "fused": (None, True),
+}
+
+
+def check_kernel_flags(flags: Mapping[str, Any]) -> None:
+    """Refuse a ``torch.optim.AdamW`` kernel flag an offloaded step cannot honour, by name."""
+    for name, value in flags.items():
+        if not any(value is taken for taken in KERNEL_FLAGS_TAKEN[name]):
+            taken = ", ".join(f"{n}={v[-1]}" for n, v in KERNEL_FLAGS_TAKEN.items())
+            raise ValueError(
+                f"OffloadAdamW runs torch's fused AdamW kernel on the state it streams, so "
+                f"{name}={value!r} cannot be honoured: leave it out ({taken} are taken), or "
+                "pass enabled=False for torch's AdamW with it"
+            )
+
+
 def check_resident(resident: Resident) -> Resident:
     """Validate the ``resident`` argument: a share of the state (a float in [0, 1]), a byte
     budget (an int >= 0), ``"auto"`` or ``None`` (nothing resident)."""

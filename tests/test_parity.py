@@ -440,6 +440,38 @@ def test_disabled_is_torch_adamw_with_its_default_kernel():
     assert_same(params, reference)
 
 
+@pytest.mark.parametrize(
+    "flags", [{"fused": True}, {"foreach": True}, {"foreach": False, "fused": None}]
+)
+def test_disabled_takes_torch_adamws_kernel_flags(flags):
+    """Disabled, the kernel flags go to torch's AdamW as given (its kernels round bf16
+    differently on the CPU, so a dropped flag shows in the weights), with what follows from
+    them: groups, and a fused step that GradScaler leaves the gradients' scale to."""
+    params = make_params(dtype=torch.bfloat16)
+    reference = clone_params(params)
+    offload = OffloadAdamW(params, weight_decay=0.1, enabled=False, **flags)
+    torch_opt = torch.optim.AdamW(reference, weight_decay=0.1, **flags)
+    assert offload.state_dict()["param_groups"] == torch_opt.state_dict()["param_groups"]
+    assert offload._step_supports_amp_scaling == bool(flags.get("fused"))
+    step_together([offload, torch_opt], [params, reference], torch.Generator().manual_seed(8), 3)
+    assert_same(params, reference)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("fused", False), ("foreach", True), ("capturable", True), ("differentiable", True)],
+)
+def test_kernel_flags_an_offloaded_step_cannot_honour_are_refused_by_name(flag, value):
+    """``torch.optim.AdamW(..., fused=True)`` with the class name changed works (the fused
+    kernel is what runs; ``foreach=False`` too); a flag asking for another kernel, a
+    capturable or a differentiable step is refused, naming it and the way out."""
+    params = make_params()
+    taken = OffloadAdamW(params, fused=True, foreach=False, capturable=False)
+    assert taken.param_groups[0]["fused"] is True
+    with pytest.raises(ValueError, match=rf"so {flag}={value} cannot be honoured.*enabled=False"):
+        OffloadAdamW(params, **{flag: value})
+
+
 def test_disabled_add_param_group_takes_what_torch_adamw_takes():
     """Disabled, ``add_param_group`` is torch's, which checks no hyperparameters (its
     constructor does): a group with a negative weight decay, which an enabled OffloadAdamW
