@@ -24,6 +24,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -74,6 +75,17 @@ class Offloaded:
 
     def __repr__(self) -> str:
         return f"<{self.key} in host memory: see optimizer.offloaded_state(param)>"
+
+    def __getattr__(self, name: str) -> Any:
+        """Code that takes it for the tensor (``state["exp_avg"].norm()``, ``torch.norm`` reading
+        ``.layout``) is told where the values are."""
+        if name.startswith("__") or name == "key":  # protocols (copy, pickle) and unset slots
+            raise AttributeError(name)
+        raise AttributeError(
+            f"optimizer.state holds no tensor for the offloaded {self.key!r}, so no {name!r}: "
+            f"its values live in host buffers; read optimizer.offloaded_state(param)"
+            f"[{self.key!r}] (or state_dict())"
+        )
 
     def __reduce__(self) -> tuple:
         return (Offloaded, (self.key,))

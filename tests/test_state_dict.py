@@ -1107,3 +1107,22 @@ def test_a_state_dict_post_hook_sees_and_edits_the_state_as_in_torch(prepend):
     for index, entry in theirs["state"].items():
         assert entry["exp_avg"].dtype == ours["state"][index]["exp_avg"].dtype == torch.bfloat16
         assert_same(list(ours["state"][index].values()), list(entry.values()))
+
+
+def test_code_reading_optimizer_state_as_tensors_is_told_where_the_values_are():
+    """``optimizer.state`` lists offloaded keys without tensors (Lightning would copy them to
+    the device on resume); code written for torch's AdamW that reads them as tensors gets an
+    error naming ``offloaded_state``, which gives the values, while copies and pickles of the
+    state still work."""
+    params = make_params()
+    opt = OffloadAdamW(params)
+    step_together([opt], [params], torch.Generator().manual_seed(12), 1)
+    placeholder = opt.state[params[0]]["exp_avg_sq"]
+    for read in (lambda: placeholder.sqrt(), lambda: torch.norm(placeholder)):
+        with pytest.raises(AttributeError, match=r"offloaded_state\(param\)\['exp_avg_sq'\]"):
+            read()
+    assert repr(copy.deepcopy(opt.state[params[0]])["exp_avg_sq"]) == repr(placeholder)
+    assert repr(pickle.loads(pickle.dumps(placeholder))) == repr(placeholder)
+    assert torch.equal(
+        opt.offloaded_state(params[0])["exp_avg_sq"], opt.state_dict()["state"][0]["exp_avg_sq"]
+    )
