@@ -243,7 +243,11 @@ class OffloadAdamW(torch.optim.AdamW):
 
     @_step_supports_amp_scaling.setter
     def _step_supports_amp_scaling(self, value: bool) -> None:
-        """Set by torch's constructor for ``fused=True`` (given only where disabled)."""
+        """Set by torch's constructor for ``fused=True``, given to it only where disabled."""
+        if self.enabled:
+            raise AttributeError(
+                "OffloadAdamW's _step_supports_amp_scaling follows its gradients' dtypes"
+            )
         self._torch_amp_scaling = value
 
     def __init__(
@@ -360,11 +364,6 @@ class OffloadAdamW(torch.optim.AdamW):
             param_group["params"] = params = list(params)
             tensors = [p[1] if isinstance(p, tuple) else p for p in params]
             first: dict[int, int] = {}
-            listed = {
-                id(p): (g, position)
-                for g, listed_group in enumerate(self.param_groups)
-                for position, p in enumerate(listed_group["params"])
-            }
             for position, param in enumerate(tensors):
                 if self.enabled:  # disabled, it is torch's AdamW, which takes them
                     refuse_fsdp1(param, f"parameter {position} of param group {group}")
@@ -373,16 +372,30 @@ class OffloadAdamW(torch.optim.AdamW):
                         f"parameter {first[id(param)]} of the new param group is listed again "
                         f"at position {position}; list each parameter once"
                     )
-                if id(param) in listed:  # torch refuses it too, without naming it
-                    raise ValueError(
-                        f"parameter {position} of the new param group is "
-                        f"{describe(*listed[id(param)])} already; a parameter can be in one "
-                        "param group only"
-                    )
                 first[id(param)] = position
-        super().add_param_group(param_group)
+        try:
+            super().add_param_group(param_group)
+        except ValueError as error:  # torch's, before it adds anything: name the parameter
+            if "more than one parameter group" not in str(error):
+                raise
+            raise ValueError(self._held_already(param_group["params"], group)) from None
         if self.enabled:
             _record_fused(self.param_groups[-1])
+
+    def _held_already(self, params: list[Any], group: int) -> str:
+        """Name the first of ``params`` (of new param group ``group``) that an earlier group
+        holds already."""
+        held = {
+            id(p): (g, position)
+            for g, earlier in enumerate(self.param_groups)
+            for position, p in enumerate(earlier["params"])
+        }
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        position = next(i for i, p in enumerate(tensors) if id(p) in held)
+        return (
+            f"{describe(group, position)} is {describe(*held[id(tensors[position])])} "
+            "already; a parameter can be in one param group only"
+        )
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

@@ -16,7 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_offload_optim.host_state import MASTER_KEY, MOMENT_KEYS, OFFLOADED_KEYS
+from lightning_offload_optim.host_state import (
+    MASTER_KEY,
+    MOMENT_KEYS,
+    OFFLOADED_KEYS,
+    ParamLayout,
+)
 from lightning_offload_optim.resident import Resident
 from lightning_offload_optim.sharding import check_same_sharding, local, local_source
 
@@ -329,6 +334,7 @@ def check_entry(entry: Any, param: Tensor, amsgrad: bool, where: str) -> LoadedE
             f"loaded state for {where} is {_kind(entry)}; expected a dict of state such as "
             "'step', 'exp_avg' and 'exp_avg_sq'"
         )
+    ParamLayout.of(param, where)  # refuse a non-dense parameter by name
     # torch's set_optimizer_state_dict, unflattening a flattened dict, gives {} for each key
     # this optimizer's state lists and the checkpoint lacks (master_param, from torch AdamW).
     entry = {k: v for k, v in entry.items() if k not in PER_PARAM_KEYS or not _empty_dict(v)}

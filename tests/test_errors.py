@@ -235,6 +235,28 @@ def test_non_dense_parameter_is_refused_by_name_before_anything_changes():
     assert torch.equal(dense, before) and not opt.state
 
 
+@pytest.mark.parametrize("how", ["loaded", "set in optimizer.state"])
+def test_state_for_a_non_dense_parameter_is_refused_by_name(how):
+    """State loaded (or written into ``optimizer.state`` by hand) for a parameter that is not
+    dense is refused naming it, before anything changes."""
+    opt, params = trained()
+    saved = copy.deepcopy(opt.state_dict())
+    before = snapshot(opt, params)
+    dense, entry = params[3].data, opt.state[params[3]]
+    rows, cols = dense.shape
+    wider = torch.zeros(rows, 2 * cols, dtype=dense.dtype)
+    wider[:, ::2] = dense
+    params[3].data = wider[:, ::2]
+    with pytest.raises(ValueError, match=r"parameter 3 of param group 0 .*has shape"):
+        if how == "loaded":
+            opt.load_state_dict(saved)
+        else:
+            opt.state[params[3]] = saved["state"][3]
+            opt.step()
+    params[3].data, opt.state[params[3]] = dense, entry  # the test's own writes undone
+    assert_unchanged(opt, params, before)
+
+
 def test_a_parameter_made_non_dense_after_its_first_step_is_refused_by_name():
     """``p.data = x[:, ::2]`` keeps shape, dtype and device: only its strides change, which
     OffloadAdamW follows for dense layouts (channels_last) and must refuse, naming the
@@ -579,7 +601,9 @@ def test_a_parameter_in_two_groups_is_refused_naming_both_places():
     """torch refuses it too ("some parameters appear in more than one parameter group"),
     without saying which; nothing is added."""
     params = make_params()
-    with pytest.raises(ValueError, match="parameter 1 of the new param group is parameter 2 of"):
+    with pytest.raises(
+        ValueError, match="parameter 1 of param group 1 is parameter 2 of param group 0 already"
+    ):
         OffloadAdamW([{"params": params[:3]}, {"params": [params[3], params[2]]}])
     opt = OffloadAdamW([{"params": params[:2]}, {"params": params[2:4]}])
     with pytest.raises(ValueError, match="is parameter 1 of param group 1 already"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import copy
 import re
 import traceback
@@ -221,6 +222,12 @@ def test_a_base_configure_optimizers_the_mixin_hides_is_warned_of_once():
             pass
 
     assert len(said) == 1 and said[0].filename == __file__
+    with pytest.warns(UserWarning, match="before _Regression") as said:
+
+        class AdoptedAbstract(OffloadOptimizerMixin, _Regression, abc.ABC):  # ABCMeta.__new__
+            pass
+
+    assert len(said) == 1 and said[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
 
@@ -259,6 +266,26 @@ def test_a_configure_optimizers_that_bypasses_the_mixin_is_warned_of(tmp_path, r
         assert "Kept.configure_optimizers replaces the mixin's" in str(bypassed[0].message)
     else:
         assert not bypassed
+
+
+@pytest.mark.parametrize("configured_by", ["the mixin", "the module"])
+def test_an_optimizer_a_strategy_wraps_is_not_taken_for_a_bypassed_mixin(configured_by):
+    """DeepSpeed replaces the trainer's optimizers with its engine's (the documented way to use
+    it is the mixin with ``offload_enabled=False``): that the mixin's ``configure_optimizers``
+    ran is what counts, not the type of what the strategy keeps."""
+    from types import SimpleNamespace
+
+    model = TinyModel()
+    model.hparams.offload_enabled = False
+    if configured_by == "the mixin":
+        model.configure_optimizers()
+    wrapped = SimpleNamespace()  # a strategy's wrapper: no OffloadAdamW
+    model._trainer = SimpleNamespace(callbacks=[], optimizers=[wrapped], lr_scheduler_configs=[])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model.on_fit_start()
+    bypassed = [w for w in said if "none of its optimizers is an OffloadAdamW" in str(w.message)]
+    assert len(bypassed) == (configured_by == "the module")
 
 
 def test_mixin_rejects_an_unknown_schedule():
@@ -643,7 +670,7 @@ def test_a_group_with_a_parameter_already_held_is_refused_whole():
         ]
 
     before = groups()
-    with pytest.raises(ValueError, match="parameter 1 of the new param group is parameter 0 of"):
+    with pytest.raises(ValueError, match=r"parameter 1 of param group \d+ is parameter 0 of"):
         optimizer.add_param_group({"params": [new, held]})
     assert groups() == before
 

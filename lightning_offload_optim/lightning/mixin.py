@@ -6,6 +6,7 @@ import functools
 import inspect
 import math
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
@@ -13,6 +14,7 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.lightning.batch_interrupt import (
@@ -175,7 +177,7 @@ class OffloadOptimizerMixin:
                 "schedulers are dropped): the mixin builds OffloadAdamW from self.hparams. To "
                 f"keep parts of it, define configure_optimizers in {cls.__name__} and wrap "
                 "super().configure_optimizers() (docs/quickstart.md).",
-                stacklevel=2,
+                stacklevel=_class_statement_level(),
             )
 
     def offload_hparam(self, name: str) -> Any:
@@ -264,6 +266,7 @@ class OffloadOptimizerMixin:
                     + ", ".join(named),
                 )
             raise
+        self._offload_configured = True  # whatever a strategy then wraps it in
         trainer = getattr(self, "_trainer", None)
         if optimizer.enabled:
             _refuse_deepspeed(trainer)
@@ -324,15 +327,19 @@ class OffloadOptimizerMixin:
                 stacklevel=2,
             )
         optimizers = trainer.optimizers if trainer is not None else []
-        if optimizers and not any(isinstance(o, OffloadAdamW) for o in optimizers):
+        mixins_ran = getattr(self, "_offload_configured", False)
+        if (
+            optimizers
+            and not mixins_ran
+            and not any(isinstance(o, OffloadAdamW) for o in optimizers)
+        ):
             owner = next(k for k in type(self).__mro__ if "configure_optimizers" in vars(k))
-            warnings.warn(
+            rank_zero_warn(
                 f"{type(self).__name__} inherits OffloadOptimizerMixin, but none of its "
                 f"optimizers is an OffloadAdamW ({', '.join(type(o).__name__ for o in optimizers)}"
                 f"): {owner.__qualname__}.configure_optimizers replaces the mixin's, so no "
                 "optimizer state is offloaded. Remove it, or return (or wrap) "
-                "super().configure_optimizers() there (docs/quickstart.md).",
-                stacklevel=2,
+                "super().configure_optimizers() there (docs/quickstart.md)."
             )
         for config in trainer.lr_scheduler_configs if trainer is not None else []:
             if isinstance(config.scheduler, WarmupCosineLR):  # after the tuners' callbacks
@@ -517,6 +524,16 @@ def _init_parameters(cls: type) -> frozenset[str]:
         return frozenset()
 
 
+def _class_statement_level() -> int:
+    """The ``stacklevel`` of the class statement, for a warning of the ``__init_subclass__``
+    calling this: above it, any other ``__init_subclass__`` and metaclass ``__new__`` (``abc``'s,
+    say)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_name in ("__new__", "__init_subclass__"):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
 def _shadowed_configure_optimizers(cls: type) -> list[type]:
     """Classes after OffloadOptimizerMixin and before LightningModule in ``cls``'s MRO whose
     ``configure_optimizers`` the mixin's hides, where no class before the mixin defines one
@@ -528,8 +545,9 @@ def _shadowed_configure_optimizers(cls: type) -> list[type]:
     end = mro.index(pl.LightningModule) if pl.LightningModule in mro else len(mro)
     hidden = [k for k in mro[start + 1 : end] if "configure_optimizers" in vars(k)]
     for base in cls.__bases__:
-        if base is not OffloadOptimizerMixin and issubclass(base, OffloadOptimizerMixin):
-            hidden = [k for k in hidden if k not in _shadowed_configure_optimizers(base)]
+        if hidden and base is not OffloadOptimizerMixin and issubclass(base, OffloadOptimizerMixin):
+            said = set(_shadowed_configure_optimizers(base))
+            hidden = [k for k in hidden if k not in said]
     return hidden
 
 
