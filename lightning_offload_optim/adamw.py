@@ -382,18 +382,17 @@ class OffloadAdamW(torch.optim.AdamW):
         if self.enabled:
             _record_fused(self.param_groups[-1])
 
-    def _held_already(self, params: list[Any], group: int) -> str:
-        """Name the first of ``params`` (of new param group ``group``) that an earlier group
-        holds already."""
+    def _held_already(self, params: list[Tensor], group: int) -> str:
+        """Name the first of ``params`` (of new param group ``group``, as torch's check left
+        them: tensors) that an earlier group holds already."""
         held = {
             id(p): (g, position)
             for g, earlier in enumerate(self.param_groups)
             for position, p in enumerate(earlier["params"])
         }
-        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
-        position = next(i for i, p in enumerate(tensors) if id(p) in held)
+        position = next(i for i, p in enumerate(params) if id(p) in held)
         return (
-            f"{describe(group, position)} is {describe(*held[id(tensors[position])])} "
+            f"{describe(group, position)} is {describe(*held[id(params[position])])} "
             "already; a parameter can be in one param group only"
         )
 

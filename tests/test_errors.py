@@ -608,6 +608,11 @@ def test_a_parameter_in_two_groups_is_refused_naming_both_places():
     opt = OffloadAdamW([{"params": params[:2]}, {"params": params[2:4]}])
     with pytest.raises(ValueError, match="is parameter 1 of param group 1 already"):
         opt.add_param_group({"params": [params[4], params[3]]})
+    # The first one held is named; torch's other refusals pass as they are.
+    with pytest.raises(ValueError, match="parameter 1 of param group 2 is parameter 0 of"):
+        opt.add_param_group({"params": [params[4], params[0], params[1]]})
+    with pytest.raises(ValueError, match="can't optimize a non-leaf Tensor"):
+        opt.add_param_group({"params": [params[4] * 2]})
     assert len(opt.param_groups) == 2
 
 

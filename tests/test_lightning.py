@@ -288,6 +288,38 @@ def test_an_optimizer_a_strategy_wraps_is_not_taken_for_a_bypassed_mixin(configu
     assert len(bypassed) == (configured_by == "the module")
 
 
+def test_the_bypass_warning_names_the_class_whose_method_replaced_the_mixins(monkeypatch):
+    """Inherited, the replacing ``configure_optimizers`` is named where it is defined; a module
+    with no optimizer at all, or a rank other than 0, says nothing."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    class Kept(OffloadOptimizerMixin, _Regression):
+        def configure_optimizers(self) -> Any:
+            return _Regression.configure_optimizers(self)
+
+    class Inheriting(Kept):
+        pass
+
+    def bypass_warnings(model: pl.LightningModule, optimizers: list) -> list[str]:
+        model._trainer = SimpleNamespace(
+            callbacks=[], optimizers=optimizers, lr_scheduler_configs=[]
+        )
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            model.on_fit_start()
+        return [str(w.message) for w in said if "none of its optimizers" in str(w.message)]
+
+    model = Inheriting()
+    optimizer = torch.optim.AdamW(model.parameters())
+    (said,) = bypass_warnings(model, [optimizer])
+    assert "Inheriting inherits" in said and "Kept.configure_optimizers replaces" in said
+    assert not bypass_warnings(Inheriting(), [])
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert not bypass_warnings(Inheriting(), [optimizer])
+
+
 def test_mixin_rejects_an_unknown_schedule():
     model = TinyModel(lr_schedule="linear")
     with pytest.raises(ValueError, match="lr_schedule must be None, 'constant' or 'cosine'"):

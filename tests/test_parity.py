@@ -470,6 +470,11 @@ def test_kernel_flags_an_offloaded_step_cannot_honour_are_refused_by_name(flag, 
     assert taken.param_groups[0]["fused"] is True
     with pytest.raises(ValueError, match=rf"so {flag}={value} cannot be honoured.*enabled=False"):
         OffloadAdamW(params, **{flag: value})
+    taken_list = "foreach=False, capturable=False, differentiable=False, fused=True are taken"
+    with pytest.raises(ValueError, match=rf"so fused=1 cannot be honoured.*\({taken_list}\)"):
+        OffloadAdamW(params, fused=1)  # a flag is a bool or None: 1 is not True
+    with pytest.raises(AttributeError, match="follows its gradients' dtypes"):
+        taken._step_supports_amp_scaling = True  # torch's constructor sets it for fused=True
 
 
 def test_disabled_add_param_group_takes_what_torch_adamw_takes():

@@ -1118,7 +1118,11 @@ def test_code_reading_optimizer_state_as_tensors_is_told_where_the_values_are():
     opt = OffloadAdamW(params)
     step_together([opt], [params], torch.Generator().manual_seed(12), 1)
     placeholder = opt.state[params[0]]["exp_avg_sq"]
-    for read in (lambda: placeholder.sqrt(), lambda: torch.norm(placeholder)):
+    for read in (
+        lambda: placeholder.sqrt(),
+        lambda: torch.norm(placeholder),
+        lambda: placeholder._version,
+    ):
         with pytest.raises(AttributeError, match=r"offloaded_state\(param\)\['exp_avg_sq'\]"):
             read()
     assert repr(copy.deepcopy(opt.state[params[0]])["exp_avg_sq"]) == repr(placeholder)
