@@ -221,9 +221,10 @@ class OffloadAdamW(torch.optim.AdamW):
 
     enabled = _FixedSetting()
     chunk_size = _FixedSetting()
-    _torch_amp_scaling = False
     pin_memory = _FixedSetting()
     force_staging = _FixedSetting()
+    #: What torch's constructor set ``_step_supports_amp_scaling`` to (disabled only).
+    _torch_amp_scaling = False
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -385,14 +386,10 @@ class OffloadAdamW(torch.optim.AdamW):
     def _held_already(self, params: list[Tensor], group: int) -> str:
         """Name the first of ``params`` (of new param group ``group``, as torch's check left
         them: tensors) that an earlier group holds already."""
-        held = {
-            id(p): (g, position)
-            for g, earlier in enumerate(self.param_groups)
-            for position, p in enumerate(earlier["params"])
-        }
+        held = {id(p) for earlier in self.param_groups for p in earlier["params"]}
         position = next(i for i, p in enumerate(params) if id(p) in held)
         return (
-            f"{describe(group, position)} is {describe(*held[id(params[position])])} "
+            f"{describe(group, position)} is {describe(*self._place(params[position]))} "
             "already; a parameter can be in one param group only"
         )
 
