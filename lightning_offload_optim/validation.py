@@ -176,12 +176,25 @@ def check_hyperparameters(group: Mapping[str, Any], where: str) -> Hyperparamete
 
 
 # ------------------------------------------------------------------------------ gradients
+#: What a step updates (torch's AdamW too); integer, bool and float8 tensors it refuses.
+UPDATABLE_DTYPES = frozenset(
+    (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    + (torch.complex32, torch.complex64, torch.complex128)
+)
+
+
 def check_gradient(param: Tensor, group: int, position: int, unscales: bool) -> None:
     """Refuse what the fused kernel cannot take, before anything is modified; where the step
     ``unscales`` gradients (GradScaler's scale), what it cannot write back."""
     grad = param.grad
     assert grad is not None
     where = describe(group, position)
+    if param.dtype not in UPDATABLE_DTYPES:
+        raise RuntimeError(
+            f"{where} is {param.dtype} and has a gradient: AdamW updates float32, float64, "
+            "bfloat16 and float16 parameters (and complex ones), as torch's does; give it no "
+            "gradient (it is then skipped) or leave it out of the optimizer"
+        )
     if grad.is_sparse:
         raise RuntimeError(
             f"OffloadAdamW does not support sparse gradients ({where}); use "

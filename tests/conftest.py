@@ -226,7 +226,8 @@ def assert_state_offloaded(
 class MasterCopyAdamW(torch.optim.Optimizer):
     """The exact reference for bf16 parameters, in torch alone: fused AdamW on fp32 copies of
     them, fed their upcast gradients, the parameters rounded from the copies after each step.
-    DTensor parameters get DTensor copies, sharded alike."""
+    DTensor parameters get DTensor copies, sharded alike. Hyperparameters written into its
+    groups (by a scheduler, or by hand) reach the fp32 AdamW at the next step."""
 
     def __init__(self, param_groups: list[dict[str, Any]], **defaults: Any) -> None:
         super().__init__(param_groups, defaults)
@@ -243,6 +244,8 @@ class MasterCopyAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group, fp32_group in zip(self.param_groups, self.fp32.param_groups, strict=True):
+            fp32_group.update((k, v) for k, v in group.items() if k != "params")
         for p, master in self.masters.items():
             master.grad = None if p.grad is None else p.grad.float()
         self.fp32.step()

@@ -394,6 +394,33 @@ def test_gradient_of_another_dtype_is_refused_before_any_update():
     assert_unchanged(opt, params, before)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn], ids=str
+)
+def test_a_parameter_adamw_cannot_update_is_refused_by_name_once_it_has_a_gradient(dtype):
+    """torch's AdamW takes an integer or float8 tensor among its parameters (a quantized
+    layer's weight) and skips it while it has no gradient; given one, torch fails. Ours must
+    not step it through an fp32 "master copy" and round the update back into it."""
+    params = make_params()
+    odd = torch.zeros(4).to(dtype)
+    opt = OffloadAdamW([*params, odd])
+    reference = clone_params(params)
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    step_together([opt, torch_opt], [params, reference], generator, 2)
+    before = snapshot(opt, params)
+    odd.grad = torch.ones(4).to(dtype)
+    with pytest.raises(
+        RuntimeError, match=rf"parameter {len(params)} of param group 0 is {dtype} and has a gradient"
+    ):
+        opt.step()
+    assert_same(params, before[0])
+    assert torch.equal(odd.float(), torch.zeros(4)) and odd not in opt.state
+    odd.grad = None  # skipped again, as torch skips it
+    step_together([opt, torch_opt], [params, reference], generator, 1)
+    assert_same(params, reference)
+
+
 def test_cleared_state_is_recreated_with_the_keys_now_needed():
     """After optimizer.state is cleared, amsgrad may be switched on: state starts afresh."""
     opt, params = trained()
