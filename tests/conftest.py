@@ -230,7 +230,8 @@ class MasterCopyAdamW(torch.optim.Optimizer):
     groups (by a scheduler, or by hand) reach the fp32 AdamW at the next step."""
 
     def __init__(self, param_groups: list[dict[str, Any]], **defaults: Any) -> None:
-        super().__init__(param_groups, defaults)
+        adamw = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+        super().__init__(param_groups, adamw | {"amsgrad": False, "maximize": False} | defaults)
         params = [p for group in self.param_groups for p in group["params"]]
         self.masters = {p: p.detach().float() for p in params}
         self.fp32 = torch.optim.AdamW(

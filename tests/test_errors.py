@@ -411,7 +411,8 @@ def test_a_parameter_adamw_cannot_update_is_refused_by_name_once_it_has_a_gradie
     before = snapshot(opt, params)
     odd.grad = torch.ones(4).to(dtype)
     with pytest.raises(
-        RuntimeError, match=rf"parameter {len(params)} of param group 0 is {dtype} and has a gradient"
+        RuntimeError,
+        match=rf"parameter {len(params)} of param group 0 is {dtype} and has a gradient",
     ):
         opt.step()
     assert_same(params, before[0])

@@ -73,14 +73,21 @@ def run_side_by_side(
     return params, reference, offload, torch_opt
 
 
-def assert_state_equal(offload: OffloadAdamW, torch_opt: torch.optim.AdamW, params, reference):
+def assert_state_equal(offload: OffloadAdamW, torch_opt: torch.optim.Optimizer, params, reference):
+    """Moments, step counts and (against a :class:`MasterCopyAdamW`) master copies equal."""
     for p, r in zip(params, reference, strict=True):
-        expected = {k: v for k, v in torch_opt.state.get(r, {}).items() if k != "step"}
+        if isinstance(torch_opt, MasterCopyAdamW):
+            master = torch_opt.masters[r]
+            state = torch_opt.fp32.state.get(master, {})
+            expected = {"master_param": master} if state else {}
+        else:
+            state, expected = torch_opt.state.get(r, {}), {}
+        expected |= {k: v for k, v in state.items() if k != "step"}
         got = offload.offloaded_state(p)
         assert got.keys() == expected.keys()
         assert_same([got[k] for k in expected], list(expected.values()))
         if expected:
-            assert torch.equal(offload.state[p]["step"], torch_opt.state[r]["step"].cpu())
+            assert torch.equal(offload.state[p]["step"], state["step"].cpu())
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
@@ -111,8 +118,11 @@ def test_torch_own_adamw_inputs(optim_input, mode):
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
-def test_param_groups_and_changing_hyperparameters(mode):
-    params = make_params()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_param_groups_and_changing_hyperparameters(mode, dtype):
+    """A schedule writing lr and betas (OneCycleLR) and hand edits reach every step; for bf16
+    parameters, the update of their fp32 masters."""
+    params = make_params(dtype=dtype)
     reference = clone_params(params)
 
     def groups(ps):
@@ -123,7 +133,10 @@ def test_param_groups_and_changing_hyperparameters(mode):
         ]
 
     offload = OffloadAdamW(groups(params), lr=3e-3, **mode)
-    torch_opt = torch.optim.AdamW(groups(reference), lr=3e-3, fused=True)
+    if dtype == torch.float32:
+        torch_opt = torch.optim.AdamW(groups(reference), lr=3e-3, fused=True)
+    else:
+        torch_opt = MasterCopyAdamW(groups(reference), lr=3e-3)
     schedulers = [
         torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.01, 0.2], total_steps=10)
         for opt in (offload, torch_opt)
