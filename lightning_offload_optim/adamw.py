@@ -1128,6 +1128,20 @@ class OffloadAdamW(torch.optim.AdamW):
             self._optimizer_load_state_dict_post_hooks = post
 
     # ------------------------------------------------------------ copy and pickle
+    def __copy__(self) -> OffloadAdamW:
+        """Refused where enabled: torch's shallow copy shares ``state`` with the original,
+        which here would share the step counts but not the host buffers holding the moments
+        (their hooks and finalizers belong to one object): half a share, stepping to other
+        numbers than torch's. Disabled, torch's shallow copy."""
+        if self.enabled:
+            raise TypeError(
+                "copy.copy(OffloadAdamW) is not supported: use copy.deepcopy(optimizer) for an "
+                "independent optimizer, or the optimizer itself to share one"
+            )
+        copied = type(self).__new__(type(self))
+        copied.__setstate__(self.__getstate__())
+        return copied
+
     def __getstate__(self) -> dict[str, Any]:
         """torch's optimizer state, this optimizer's settings, and its host buffers whole (so
         ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the optimizer keep the moments)."""

@@ -343,6 +343,26 @@ def test_copy_of_the_optimizer_matches_a_copy_of_torch_adamw(settings, fused):
     assert offload_copy.enabled == offload.enabled
 
 
+def test_a_shallow_copy_is_refused_and_a_disabled_ones_shares_like_torchs():
+    """torch's copy.copy shares the state with the original, so stepping either advances one
+    optimizer. Enabled, a copy would share the step counts but not the host moments (stepping
+    to other numbers): refused. Disabled, it is torch's: alternate steps equal one optimizer's."""
+    params = make_params()
+    offload = OffloadAdamW(params, lr=0.01)
+    with pytest.raises(TypeError, match=r"copy\.copy\(OffloadAdamW\) is not supported"):
+        copy.copy(offload)
+    disabled = OffloadAdamW(params, lr=0.01, enabled=False)
+    reference = clone_params(params)
+    torch_opt = torch.optim.AdamW(reference, lr=0.01)
+    generator = torch.Generator().manual_seed(14)
+    step_together([disabled, torch_opt], [params, reference], generator, 1)
+    shallow = copy.copy(disabled)
+    for optimizer in (shallow, disabled, shallow):
+        step_together([optimizer, torch_opt], [params, reference], generator, 1)
+    assert_same(params, reference)
+    assert shallow.state is disabled.state and not shallow.enabled
+
+
 def test_load_frees_the_buffers_it_replaces():
     """A load that needs new buffers (here amsgrad adds a key) must not leave the old ones
     alive through cached chunk plans or slots."""
