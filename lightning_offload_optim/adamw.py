@@ -1307,9 +1307,12 @@ def _record_fused(group: dict[str, Any]) -> None:
     """Mark a group ``fused=True`` (the kernel this optimizer runs) where torch's fused AdamW
     could take over its parameters, so a ``torch.optim.AdamW`` loading the saved groups runs
     that kernel too instead of its default implementation (not where a loaded group says
-    ``differentiable=True``, which torch's fused AdamW refuses)."""
+    ``differentiable=True``, which torch's fused AdamW refuses). A loaded ``foreach=True``
+    goes back to None, as torch's constructor refuses it beside ``fused=True``."""
     if not group.get("differentiable") and all(p.is_floating_point() for p in group["params"]):
         group["fused"] = True
+        if group.get("foreach"):
+            group["foreach"] = None
 
 
 class _KernelLists:

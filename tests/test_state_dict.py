@@ -363,6 +363,22 @@ def test_a_shallow_copy_is_refused_and_a_disabled_ones_shares_like_torchs():
     assert shallow.state is disabled.state and not shallow.enabled
 
 
+def test_groups_loaded_from_a_foreach_adamw_make_a_torch_adamw_again():
+    """A group says ``fused=True`` (the kernel run); one loaded from ``AdamW(foreach=True)``
+    must not keep ``foreach=True`` beside it: torch's constructor refuses the pair, so code
+    rebuilding an optimizer from saved groups' hyperparameters would fail."""
+    params = make_params()
+    reference = clone_params(params)
+    foreach = torch.optim.AdamW(reference, lr=0.01, foreach=True)
+    step_together([foreach], [reference], torch.Generator().manual_seed(3), 1)
+    offload = OffloadAdamW(params, lr=0.01)
+    offload.load_state_dict(foreach.state_dict())
+    saved = offload.state_dict()["param_groups"][0]
+    settings = {k: v for k, v in saved.items() if k not in ("params", "decoupled_weight_decay")}
+    rebuilt = torch.optim.AdamW(clone_params(params), **settings)
+    assert rebuilt.param_groups[0]["fused"] is True
+
+
 def test_load_frees_the_buffers_it_replaces():
     """A load that needs new buffers (here amsgrad adds a key) must not leave the old ones
     alive through cached chunk plans or slots."""
