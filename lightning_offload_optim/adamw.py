@@ -41,7 +41,14 @@ from lightning_offload_optim.resident import (
     budget_bytes,
     choose_resident,
 )
-from lightning_offload_optim.sharding import like_param, local, refuse_fsdp1, write_mark
+from lightning_offload_optim.sharding import (
+    like_param,
+    local,
+    local_grad,
+    redistributes_grad,
+    refuse_fsdp1,
+    write_mark,
+)
 from lightning_offload_optim.step_stats import StepRecord
 from lightning_offload_optim.validation import (
     FORMAT_KEY,
@@ -723,7 +730,7 @@ class OffloadAdamW(torch.optim.AdamW):
                 slot = new_slots[param]
                 step = torch.zeros((), dtype=torch.float32, device="cpu")
             flat_param = slot.flat_param(part)
-            flat_grad = slot.layout.flat(local(param.grad))
+            flat_grad = slot.layout.flat(local_grad(param))
             active.append(_Active(param, slot, g, flat_param, flat_grad, step))
         return active, new_slots
 
@@ -1346,7 +1353,11 @@ def _unscaled_into_copied_grads(chunk: Chunk, active: list[_Active], left: dict[
 
 
 def _grad_copied(a: _Active) -> bool:
-    """Whether the flat gradient the update reads is a copy (laid out unlike the parameter)."""
+    """Whether the flat gradient the update reads is a copy laid out unlike the parameter (not
+    a redistributed one, which torch's fused AdamW unscales and drops, leaving ``param.grad``
+    as it was)."""
+    if redistributes_grad(a.param):
+        return False
     grad = local(a.param.grad).untyped_storage()
     return a.flat_grad.untyped_storage().data_ptr() != grad.data_ptr()
 

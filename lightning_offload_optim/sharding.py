@@ -74,20 +74,37 @@ def describe_sharding(tensor: Tensor) -> str:
     return f"a DTensor with placements {tensor.placements} on {tensor.device_mesh}"
 
 
-def check_same_sharding(param: Tensor, grad: Tensor, where: str) -> None:
-    """Refuse a gradient sharded differently from its parameter (the local shards would not
-    line up element for element)."""
+def check_grad_sharding(param: Tensor, grad: Tensor, where: str) -> None:
+    """Refuse a gradient that is a DTensor where its parameter is not, or the reverse, or a
+    DTensor on another mesh, as torch's fused AdamW does. Other placements are taken: the step
+    redistributes the gradient to the parameter's (:func:`local_grad`)."""
     sharded = isinstance(param, _DTENSOR)
     if sharded == isinstance(grad, _DTENSOR) and (
-        not sharded
-        or (grad.placements == param.placements and grad.device_mesh == param.device_mesh)
+        not sharded or grad.device_mesh == param.device_mesh
     ):
         return
     raise RuntimeError(
         f"the gradient of {where} is {describe_sharding(grad)}, the parameter "
-        f"{describe_sharding(param)}; they must be sharded alike (reduce or redistribute the "
-        "gradient to the parameter's placements before step())"
+        f"{describe_sharding(param)}; a DTensor parameter needs a DTensor gradient on its mesh "
+        "(of any placements), a plain tensor a plain gradient"
     )
+
+
+def redistributes_grad(param: Tensor) -> bool:
+    """Whether ``param.grad`` is a DTensor placed unlike ``param`` (a partial sum, as tensor
+    parallelism's ``SequenceParallel`` leaves the gradients of replicated norm weights)."""
+    grad = param.grad
+    return isinstance(grad, _DTENSOR) and grad.placements != param.placements
+
+
+def local_grad(param: Tensor) -> Tensor:
+    """The part of ``param.grad`` this rank's update reads: its local shard, where it is placed
+    unlike the parameter first redistributed to the parameter's placements, as torch's fused
+    AdamW does on DTensors (a collective, which every rank runs for the same parameters);
+    ``param.grad`` itself stays as it is, as torch leaves it."""
+    if redistributes_grad(param):
+        return local(param.grad.redistribute(param.device_mesh, param.placements))
+    return local(param.grad)
 
 
 def refuse_fsdp1(param: Tensor, where: str) -> None:

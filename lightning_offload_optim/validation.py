@@ -23,7 +23,7 @@ from lightning_offload_optim.host_state import (
     ParamLayout,
 )
 from lightning_offload_optim.resident import Resident
-from lightning_offload_optim.sharding import check_same_sharding, local, local_source
+from lightning_offload_optim.sharding import check_grad_sharding, local, local_source
 
 #: Version of the layout of offloaded state in ``state_dict()`` (key :data:`FORMAT_KEY`). A newer
 #: one is refused on load; older ones, and torch AdamW state dicts without the key, load.
@@ -200,7 +200,7 @@ def check_gradient(param: Tensor, group: int, position: int, unscales: bool) -> 
             f"OffloadAdamW does not support sparse gradients ({where}); use "
             "torch.optim.SparseAdam for sparse embeddings"
         )
-    check_same_sharding(param, grad, where)
+    check_grad_sharding(param, grad, where)
     if (grad.dtype, grad.device, grad.shape) != (param.dtype, param.device, param.shape):
         raise RuntimeError(
             f"the gradient of {where} is {grad.dtype} of shape {tuple(grad.shape)} on "

@@ -292,6 +292,61 @@ def tensor_parallel_placements(mesh) -> dict:
     return result
 
 
+class ParallelBlock(nn.Module):
+    """A pre-norm MLP block as tensor parallelism shards it (torchtitan, Lightning's docs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 12)
+        self.down = nn.Linear(12, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def tensor_parallel_block(mesh) -> dict:
+    """``parallelize_module`` with a ``SequenceParallel`` norm, whose replicated weights get
+    partial-sum gradients (redistributed by the step, as torch's fused AdamW does), clipped;
+    staged. The last step runs under a GradScaler's scale: gradients placed like their
+    parameters come back unscaled, the partial sums as they were, both as torch leaves them."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    result: dict = {}
+    for name, make in (
+        ("ours", lambda p: OffloadAdamW(p, force_staging=True, chunk_size=64, **HYPER)),
+        ("reference", lambda p: torch.optim.AdamW(p, fused=True, **HYPER)),
+    ):
+        torch.manual_seed(0)
+        model = parallelize_module(ParallelBlock(), mesh, plan)
+        optimizer = make(model.parameters())
+        for step in range(STEPS + 1):
+            # This rank's half of the sequence (dimension 1), as SequenceParallel takes it.
+            generator = torch.Generator().manual_seed(100 + step)
+            x = torch.randn(2, 6, 8, generator=generator).chunk(2, dim=1)[dist.get_rank()]
+            model(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if step == STEPS:
+                optimizer.grad_scale, optimizer.found_inf = torch.tensor(4.0), torch.tensor(0.0)
+            optimizer.step()
+            if step < STEPS:
+                optimizer.zero_grad()
+        params = list(model.parameters())
+        result[name] = full(params) + [p.grad.to_local() for p in params]
+        result[f"{name}_grad_placements"] = [str(p.grad.placements) for p in params]
+    return result
+
+
 def strided_shard_loads(mesh) -> dict:
     """Full tensors and replicated DTensors loaded into parameters whose ``_StridedShard``
     placement takes rows that are not one block (rows 0, 1, 4, 5 of 8 on rank 0; uneven with
@@ -342,7 +397,7 @@ def refusals(mesh) -> dict:
     """Wrong inputs are refused on every rank alike, and no rank is left in a collective."""
     param = nn.Parameter(distribute_tensor(torch.ones(6, 4), mesh, [Shard(0)]))
     optimizer = OffloadAdamW([param], **HYPER)
-    param.grad = distribute_tensor(torch.ones(6, 4), mesh, [Replicate()])
+    param.grad = torch.ones(6, 4)  # a plain tensor: torch's fused AdamW refuses it too
     messages = {}
     try:
         optimizer.step()
@@ -754,6 +809,7 @@ def scenarios(phase: str, out: Path) -> dict[str, Callable]:
         ),
         "fsdp_overlapped_grouped_without_group": fsdp_overlapped("grouped", "group"),
         "tensor_parallel_placements": tensor_parallel_placements,
+        "tensor_parallel_block": tensor_parallel_block,
         "strided_shard_loads": strided_shard_loads,
         "refusals": refusals,
         "zero_redundancy": zero_redundancy,

@@ -27,6 +27,7 @@ TWO_RANK_SCENARIOS = [
     "fsdp_overlapped_grouped",
     "fsdp_overlapped_streams_unknown",
     "tensor_parallel_placements",
+    "tensor_parallel_block",
     pytest.param(
         "strided_shard_loads",
         marks=pytest.mark.skipif(
@@ -147,6 +148,13 @@ def test_state_keeps_the_parameters_placements(runs):
         assert result["placements"] == [[p, p] for p in result["param_placements"]]
 
 
+def test_partial_sum_gradients_are_summed_for_the_update_and_left_as_they_were(runs):
+    """The block's norm weights get partial sums (else the block would test nothing new)."""
+    for result in results(runs, "all", "tensor_parallel_block"):
+        assert "(Partial(sum),)" in result["ours_grad_placements"]
+        assert result["ours_grad_placements"] == result["reference_grad_placements"]
+
+
 def test_sharded_state_dict_is_dtensors_viewing_the_host_buffers(runs):
     for result in results(runs, "all", "sharded_state_dict"):
         assert result["all_dtensors"] and result["zero_copy"] and result["shapes_match"]
@@ -162,7 +170,7 @@ def test_sharded_resume_holds_the_state_once(runs):
 def test_wrong_shardings_are_refused_on_every_rank(runs):
     for result in results(runs, "all", "refusals"):
         messages = result["messages"]
-        assert "sharded alike" in messages["gradient"]
+        assert "a plain tensor, the parameter a DTensor" in messages["gradient"]
         assert "Placements" not in messages["gradient"] and "Shard(dim=0)" in messages["gradient"]
         assert (
             "Shard(dim=1)" in messages["load"]

@@ -185,14 +185,22 @@ def test_fsdp2_backward_through_a_graph_recorded_before_the_step_after_a_wait(me
     assert_same(ours, [p.full_tensor() for p in reference.parameters()])
 
 
-def test_gradient_sharded_otherwise_than_its_parameter_is_refused(mesh):
-    (param,) = dtensor_params(mesh, [(4, 3)])
-    before = param.detach().full_tensor().clone()
-    opt = OffloadAdamW([param], lr=0.1)
-    param.grad = distribute_tensor(torch.ones(4, 3), mesh, [Replicate()])
-    with pytest.raises(RuntimeError, match="sharded alike"):
-        opt.step()
-    assert_same([param.detach().full_tensor()], [before])
+def test_gradient_placed_otherwise_is_redistributed_and_left_as_it_was_like_torch(mesh):
+    """torch's fused AdamW redistributes a gradient to its parameter's placements (here
+    Replicate to Shard(0)) for the update and leaves ``param.grad`` as it was."""
+    params = [dtensor_params(mesh, [(4, 3)])[0] for _ in range(2)]
+    ours = OffloadAdamW(params[:1], lr=0.1, force_staging=True, chunk_size=64)
+    reference = torch.optim.AdamW(params[1:], lr=0.1, fused=True)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        grad = torch.randn(4, 3, generator=generator)
+        for p in params:
+            p.grad = distribute_tensor(grad.clone(), mesh, [Replicate()])
+        ours.step()
+        reference.step()
+    assert_same([p.full_tensor() for p in params[:1]], [p.full_tensor() for p in params[1:]])
+    assert params[0].grad.placements == (Replicate(),)
+    assert_same([params[0].grad.to_local()], [grad])
 
 
 def test_gradient_on_another_mesh_is_refused(mesh):
@@ -201,7 +209,7 @@ def test_gradient_on_another_mesh_is_refused(mesh):
     assert other != mesh
     opt = OffloadAdamW([param], lr=0.1)
     param.grad = distribute_tensor(torch.ones(4, 3), other, [Shard(0)])
-    with pytest.raises(RuntimeError, match="sharded alike"):
+    with pytest.raises(RuntimeError, match="needs a DTensor gradient on its mesh"):
         opt.step()
 
 
@@ -209,7 +217,7 @@ def test_sharded_gradient_of_a_plain_parameter_is_refused(mesh):
     param = torch.nn.Parameter(torch.randn(4, 3))
     opt = OffloadAdamW([param], lr=0.1)
     param.grad = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
-    with pytest.raises(RuntimeError, match="sharded alike"):
+    with pytest.raises(RuntimeError, match="is a DTensor .* the parameter a plain tensor"):
         opt.step()
 
 
