@@ -217,7 +217,7 @@ def test_sharded_gradient_of_a_plain_parameter_is_refused(mesh):
     param = torch.nn.Parameter(torch.randn(4, 3))
     opt = OffloadAdamW([param], lr=0.1)
     param.grad = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
-    with pytest.raises(RuntimeError, match="is a DTensor .* the parameter a plain tensor"):
+    with pytest.raises(RuntimeError, match=r"is a DTensor .* the parameter a plain tensor"):
         opt.step()
 
 
