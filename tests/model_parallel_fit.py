@@ -1,5 +1,6 @@
-"""Run by test_model_parallel.py: Lightning's ModelParallelStrategy (FSDP2) on 2 CPU processes,
-with OffloadAdamW through the mixin and with torch AdamW, each saving and resuming.
+"""Run by test_model_parallel.py: Lightning's ModelParallelStrategy on 2 CPU processes, FSDP2
+and tensor parallel, with OffloadAdamW through the mixin and with torch AdamW, each saving and
+resuming.
 
 Usage: python tests/model_parallel_fit.py OUTPUT_DIR. Lightning starts rank 1 by running this
 script again. Each rank writes, per optimizer and checkpoint kind (sharded folder or one file),
@@ -19,6 +20,13 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_models import TinyModel, make_data, trainer
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadMonitor
@@ -40,7 +48,48 @@ class ShardedModel(TinyModel):
         self.log("val_loss", torch.nn.functional.mse_loss(self(x).float(), y.float()))
 
 
-def strategy(distributed: bool) -> ModelParallelStrategy:
+class TensorParallelModel(ShardedModel):
+    """A pre-norm block over 2 tokens of width 4 (each sample's 8 inputs), parallelized as
+    Lightning's tensor-parallel docs do: each rank holds one token (``SequenceParallel``), so
+    the norm's replicated weights get partial-sum gradients, which the step redistributes."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.LayerNorm(4), torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)
+        )
+
+    def configure_model(self) -> None:
+        if isinstance(self.net[1].weight, DTensor):  # validate() after fit() calls this again
+            return
+        plan = {
+            "0": SequenceParallel(),
+            "1": ColwiseParallel(input_layouts=Shard(1)),
+            "3": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        token = self.device_mesh["tensor_parallel"].get_local_rank()
+        return self.net(x.view(-1, 2, 4)[:, token : token + 1]).mean(dim=(1, 2)).unsqueeze(1)
+
+    def train_dataloader(self) -> DataLoader:
+        # Both ranks see every batch (one data-parallel rank): 2 batches of 8 per epoch, so the
+        # checkpoint at step 2 ends an epoch, as under FSDP2 (2 ranks, 2 batches of 4 each).
+        return DataLoader(make_data(), batch_size=8)
+
+    def reference_param_groups(self) -> list[dict[str, Any]]:
+        norm, linear1, _, linear2 = self.net
+        return [
+            {"params": [linear1.weight, linear2.weight]},
+            {"params": [norm.weight, norm.bias, linear1.bias, linear2.bias], "weight_decay": 0.0},
+        ]
+
+
+def strategy(distributed: bool | str) -> ModelParallelStrategy:
+    if distributed == "tensor-parallel":  # sharded checkpoints
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
     return ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
     )
@@ -50,8 +99,12 @@ def full(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def run(out: Path, optimizer: str, distributed: bool, common: dict[str, Any]) -> dict:
-    name = f"{optimizer}-{'sharded' if distributed else 'file'}"
+def run(out: Path, optimizer: str, distributed: bool | str, common: dict[str, Any]) -> dict:
+    """``distributed``: FSDP2 with sharded checkpoints (True) or one file (False), or
+    ``"tensor-parallel"``."""
+    kind = {True: "sharded", False: "file"}.get(distributed, distributed)
+    name = f"{optimizer}-{kind}"
+    model_class = TensorParallelModel if distributed == "tensor-parallel" else ShardedModel
     monitor = OffloadMonitor(summary=False)
     saver = ModelCheckpoint(out / f"ckpt-{name}", "{step}", every_n_train_steps=2, save_top_k=-1)
     fit = trainer(
@@ -67,11 +120,11 @@ def run(out: Path, optimizer: str, distributed: bool, common: dict[str, Any]) ->
         **common,
     )
     # The single-file runs stage through separate buffers in small chunks, as on a GPU.
-    hparams = {"warmup_steps": 1, "lr_schedule": "cosine", "force_staging": not distributed}
-    model = ShardedModel(optimizer=optimizer, **hparams)
+    hparams = {"warmup_steps": 1, "lr_schedule": "cosine", "force_staging": distributed is not True}
+    model = model_class(optimizer=optimizer, **hparams)
     initial = [p.detach().clone() for p in model.parameters()]
     fit.fit(model)
-    resumed = ShardedModel(optimizer=optimizer, **hparams)
+    resumed = model_class(optimizer=optimizer, **hparams)
     resumed_monitor = OffloadMonitor(summary=False)
     again = trainer(
         out / f"{name}-resumed",
@@ -104,7 +157,7 @@ def main(out: Path) -> None:
     results = {
         (optimizer, distributed): run(out, optimizer, distributed, common)
         for optimizer in ("offload", "torch")
-        for distributed in (True, False)
+        for distributed in (True, False, "tensor-parallel")
     }
     rank = results["offload", True]["rank"]
     torch.save(results, out / f"rank{rank}.pt")

@@ -1,5 +1,6 @@
-"""Lightning's ModelParallelStrategy (FSDP2) on 2 CPU processes: OffloadAdamW through the mixin
-against torch AdamW doing the same fit, sharded and single-file checkpoints, and resumes."""
+"""Lightning's ModelParallelStrategy on 2 CPU processes (FSDP2; tensor parallel): OffloadAdamW
+through the mixin against torch AdamW doing the same fit, sharded and single-file checkpoints,
+and resumes."""
 
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("distributed", [True, False], ids=["sharded-checkpoint", "one-file"])
+@pytest.mark.parametrize(
+    "distributed",
+    [True, False, "tensor-parallel"],
+    ids=["sharded-checkpoint", "one-file", "tensor-parallel"],
+)
 def test_fit_and_resume_bit_identical_to_torch_adamw(ranks, distributed):
-    """bf16-mixed, gradient_clip_val and a warm-up + cosine schedule, resumed at step 2."""
+    """bf16-mixed, gradient_clip_val and a warm-up + cosine schedule, resumed at step 2; tensor
+    parallel with a SequenceParallel norm, whose weights get partial-sum gradients."""
     for result in ranks:
         ours, reference = result["offload", distributed], result["torch", distributed]
         assert not any(
