@@ -45,7 +45,6 @@ from lightning_offload_optim.sharding import (
     like_param,
     local,
     local_grad,
-    redistributes_grad,
     refuse_fsdp1,
     write_mark,
 )
@@ -81,12 +80,14 @@ _SETTINGS = (*_FIXED_SETTINGS, "resident")
 
 @dataclass
 class _Active:
-    """A parameter updated in this step, with flat real views of it and its gradient."""
+    """A parameter updated in this step, with flat real views of it and its gradient. ``grad``
+    is the local gradient the update reads: ``param.grad``'s shard, or a redistributed one."""
 
     param: Tensor
     slot: Slot
     group: int
     flat_param: Tensor
+    grad: Tensor
     flat_grad: Tensor
     step: Tensor
 
@@ -469,7 +470,7 @@ class OffloadAdamW(torch.optim.AdamW):
             for i, a in enumerate(active):
                 self._pipeline.used_by_update(a.flat_grad)
                 if i in left:  # and writes this one back
-                    self._pipeline.used_by_update(local(a.param.grad))
+                    self._pipeline.used_by_update(a.grad)
             for step in {s.untyped_storage().data_ptr(): s for s in device_steps}.values():
                 self._pipeline.used_by_update(step)  # the stacked copies of the step counts
             for scale in scales.values():  # GradScaler drops it when step() returns
@@ -720,18 +721,20 @@ class OffloadAdamW(torch.optim.AdamW):
         if foreign:
             self._adopt_state(foreign)
             return self._collect_active(unscales)
+        # Everything is checked (on every rank alike, for the same parameters): gradients placed
+        # unlike their parameters are redistributed now, before anything is allocated.
+        grads = [local_grad(param) for param, *_ in found]
         overlap = self._overlapping()
         if new and overlap is not None and overlap.order:  # lay state out in forward order
             new.sort(key=lambda request: overlap.rank(request[0]))
         new_slots = self._host.allocate(new) if new else {}
         active = []
-        for param, part, g, slot, step in found:
+        for (param, part, g, slot, step), grad in zip(found, grads, strict=True):
             if slot is None:
                 slot = new_slots[param]
                 step = torch.zeros((), dtype=torch.float32, device="cpu")
             flat_param = slot.flat_param(part)
-            flat_grad = slot.layout.flat(local_grad(param))
-            active.append(_Active(param, slot, g, flat_param, flat_grad, step))
+            active.append(_Active(param, slot, g, flat_param, grad, slot.layout.flat(grad), step))
         return active, new_slots
 
     def _check_unchanged(
@@ -1342,24 +1345,20 @@ class _KernelLists:
 def _unscaled_into_copied_grads(chunk: Chunk, active: list[_Active], left: dict[int, int]) -> None:
     """A gradient laid out unlike its parameter is updated (unscaled) as a flat copy: once the
     chunks have unscaled all of it (``left``: elements still to do, by index into ``active``),
-    the copy goes back into ``param.grad``, which GradScaler's callers read unscaled after
-    ``step()``, as torch's fused AdamW leaves it."""
+    the copy goes back into the gradient it was made from (``param.grad``, which GradScaler's
+    callers read unscaled after ``step()``, or a redistributed one), as torch's fused AdamW
+    leaves it."""
     for seg in chunk.segments:
         if seg.index in left:
             left[seg.index] -= seg.stop - seg.start
             if not left[seg.index]:
                 a = active[seg.index]
-                local(a.param.grad).copy_(a.slot.layout.unflat(a.flat_grad))
+                a.grad.copy_(a.slot.layout.unflat(a.flat_grad))
 
 
 def _grad_copied(a: _Active) -> bool:
-    """Whether the flat gradient the update reads is a copy laid out unlike the parameter (not
-    a redistributed one, which torch's fused AdamW unscales and drops, leaving ``param.grad``
-    as it was)."""
-    if redistributes_grad(a.param):
-        return False
-    grad = local(a.param.grad).untyped_storage()
-    return a.flat_grad.untyped_storage().data_ptr() != grad.data_ptr()
+    """Whether the flat gradient the update reads is a copy (laid out unlike the parameter)."""
+    return a.flat_grad.untyped_storage().data_ptr() != a.grad.untyped_storage().data_ptr()
 
 
 def _torch_adamw_step(optimizer: torch.optim.AdamW) -> None:

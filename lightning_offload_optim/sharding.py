@@ -4,7 +4,8 @@ Each rank keeps host state for its local shard of every parameter, and the step 
 tensors only, exactly as torch's fused AdamW does under the hood: the optimizer has one path for
 plain and sharded parameters, and this module is where the two meet.
 
-- :func:`local` is the tensor a rank updates: the local shard of a DTensor, else the tensor.
+- :func:`local` is the tensor a rank updates: the local shard of a DTensor, else the tensor;
+  :func:`local_grad` the gradient it reads, redistributed first where it is placed otherwise.
 - :func:`like_param` wraps a host view of local state as a DTensor with the parameter's mesh,
   placements, global shape and stride, so ``torch.distributed.checkpoint`` writes each rank's
   shard straight from host memory.
@@ -90,21 +91,18 @@ def check_grad_sharding(param: Tensor, grad: Tensor, where: str) -> None:
     )
 
 
-def redistributes_grad(param: Tensor) -> bool:
-    """Whether ``param.grad`` is a DTensor placed unlike ``param`` (a partial sum, as tensor
-    parallelism's ``SequenceParallel`` leaves the gradients of replicated norm weights)."""
-    grad = param.grad
-    return isinstance(grad, _DTENSOR) and grad.placements != param.placements
-
-
 def local_grad(param: Tensor) -> Tensor:
-    """The part of ``param.grad`` this rank's update reads: its local shard, where it is placed
-    unlike the parameter first redistributed to the parameter's placements, as torch's fused
-    AdamW does on DTensors (a collective, which every rank runs for the same parameters);
-    ``param.grad`` itself stays as it is, as torch leaves it."""
-    if redistributes_grad(param):
-        return local(param.grad.redistribute(param.device_mesh, param.placements))
-    return local(param.grad)
+    """The part of ``param.grad`` this rank's update reads: its local shard; where the gradient
+    is placed unlike the parameter (a partial sum, as tensor parallelism's ``SequenceParallel``
+    leaves the gradients of replicated norm weights), first redistributed to the parameter's
+    placements, as torch's fused AdamW does on DTensors: a collective, which every rank must run
+    for the same parameters. The result may be a new tensor or a view of ``param.grad`` (a
+    replicated gradient's rows for a sharded parameter), which an unscaling update then writes,
+    as torch's does."""
+    grad = param.grad
+    if isinstance(grad, _DTENSOR) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return local(grad)
 
 
 def refuse_fsdp1(param: Tensor, where: str) -> None:

@@ -178,8 +178,15 @@ def check_hyperparameters(group: Mapping[str, Any], where: str) -> Hyperparamete
 # ------------------------------------------------------------------------------ gradients
 #: What a step updates (torch's AdamW too); integer, bool and float8 tensors it refuses.
 UPDATABLE_DTYPES = frozenset(
-    {torch.float32, torch.float64, torch.bfloat16, torch.float16}
-    | {torch.complex32, torch.complex64, torch.complex128}
+    {
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+        torch.float16,
+        torch.complex32,
+        torch.complex64,
+        torch.complex128,
+    }
 )
 
 

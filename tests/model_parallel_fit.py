@@ -87,11 +87,15 @@ class TensorParallelModel(ShardedModel):
         ]
 
 
-def strategy(distributed: bool | str) -> ModelParallelStrategy:
-    if distributed == "tensor-parallel":  # sharded checkpoints
+#: Runs by kind: FSDP2 with sharded checkpoints or one file, and tensor parallel (sharded).
+KINDS = ("sharded", "file", "tensor-parallel")
+
+
+def strategy(kind: str) -> ModelParallelStrategy:
+    if kind == "tensor-parallel":
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
     return ModelParallelStrategy(
-        data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
+        data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=kind == "sharded"
     )
 
 
@@ -99,17 +103,14 @@ def full(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def run(out: Path, optimizer: str, distributed: bool | str, common: dict[str, Any]) -> dict:
-    """``distributed``: FSDP2 with sharded checkpoints (True) or one file (False), or
-    ``"tensor-parallel"``."""
-    kind = {True: "sharded", False: "file"}.get(distributed, distributed)
+def run(out: Path, optimizer: str, kind: str, common: dict[str, Any]) -> dict:
     name = f"{optimizer}-{kind}"
-    model_class = TensorParallelModel if distributed == "tensor-parallel" else ShardedModel
+    model_class = TensorParallelModel if kind == "tensor-parallel" else ShardedModel
     monitor = OffloadMonitor(summary=False)
     saver = ModelCheckpoint(out / f"ckpt-{name}", "{step}", every_n_train_steps=2, save_top_k=-1)
     fit = trainer(
         out / name,
-        strategy=strategy(distributed),
+        strategy=strategy(kind),
         devices=2,
         max_steps=STEPS,
         callbacks=[monitor, saver],
@@ -119,8 +120,9 @@ def run(out: Path, optimizer: str, distributed: bool | str, common: dict[str, An
         logger=CSVLogger(out / name),  # logged_metrics are kept where there is one
         **common,
     )
-    # The single-file runs stage through separate buffers in small chunks, as on a GPU.
-    hparams = {"warmup_steps": 1, "lr_schedule": "cosine", "force_staging": distributed is not True}
+    # All but the FSDP2 sharded-checkpoint runs stage through separate buffers in small chunks,
+    # as on a GPU.
+    hparams = {"warmup_steps": 1, "lr_schedule": "cosine", "force_staging": kind != "sharded"}
     model = model_class(optimizer=optimizer, **hparams)
     initial = [p.detach().clone() for p in model.parameters()]
     fit.fit(model)
@@ -128,7 +130,7 @@ def run(out: Path, optimizer: str, distributed: bool | str, common: dict[str, An
     resumed_monitor = OffloadMonitor(summary=False)
     again = trainer(
         out / f"{name}-resumed",
-        strategy=strategy(distributed),
+        strategy=strategy(kind),
         devices=2,
         max_steps=STEPS,
         callbacks=[resumed_monitor],
@@ -155,11 +157,11 @@ def run(out: Path, optimizer: str, distributed: bool | str, common: dict[str, An
 def main(out: Path) -> None:
     common = {"precision": "bf16-mixed", "gradient_clip_val": 0.05}
     results = {
-        (optimizer, distributed): run(out, optimizer, distributed, common)
+        (optimizer, kind): run(out, optimizer, kind, common)
         for optimizer in ("offload", "torch")
-        for distributed in (True, False, "tensor-parallel")
+        for kind in KINDS
     }
-    rank = results["offload", True]["rank"]
+    rank = results["offload", "sharded"]["rank"]
     torch.save(results, out / f"rank{rank}.pt")
     # Lightning leaves the process group up at exit; one CI run of this script aborted while
     # exiting ("terminate called without an active exception"). Tear it down explicitly.

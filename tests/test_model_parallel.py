@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_same, run_script
+from model_parallel_fit import KINDS
 
 
 @pytest.fixture(scope="module")
@@ -18,16 +19,12 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
-@pytest.mark.parametrize(
-    "distributed",
-    [True, False, "tensor-parallel"],
-    ids=["sharded-checkpoint", "one-file", "tensor-parallel"],
-)
-def test_fit_and_resume_bit_identical_to_torch_adamw(ranks, distributed):
+@pytest.mark.parametrize("kind", KINDS)
+def test_fit_and_resume_bit_identical_to_torch_adamw(ranks, kind):
     """bf16-mixed, gradient_clip_val and a warm-up + cosine schedule, resumed at step 2; tensor
     parallel with a SequenceParallel norm, whose weights get partial-sum gradients."""
     for result in ranks:
-        ours, reference = result["offload", distributed], result["torch", distributed]
+        ours, reference = result["offload", kind], result["torch", kind]
         assert not any(
             torch.equal(a, b) for a, b in zip(ours["initial"], ours["params"], strict=True)
         )
@@ -38,8 +35,8 @@ def test_fit_and_resume_bit_identical_to_torch_adamw(ranks, distributed):
 
 
 def test_monitor_reports_host_bytes_per_rank_and_summed(ranks):
-    logged = [result["offload", True]["logged"] for result in ranks]
-    state = [result["offload", True]["state_bytes"] for result in ranks]
+    logged = [result["offload", "sharded"]["logged"] for result in ranks]
+    state = [result["offload", "sharded"]["state_bytes"] for result in ranks]
     # Each rank holds the state of its own shards: 8 bytes per element of its shards.
     assert state[0] != state[1] and min(state) > 0
     for rank in (0, 1):
@@ -48,18 +45,18 @@ def test_monitor_reports_host_bytes_per_rank_and_summed(ranks):
         assert logged[rank]["offload/interval_steps"] == 2.0
 
 
-@pytest.mark.parametrize("distributed", [True, False], ids=["sharded-checkpoint", "one-file"])
-def test_monitor_totals_resume_per_rank(ranks, distributed):
+@pytest.mark.parametrize("kind", ["sharded", "file"])
+def test_monitor_totals_resume_per_rank(ranks, kind):
     """A resumed run's totals end where the uninterrupted run's do, on each rank: the step
     torch's set_optimizer_state_dict makes to create the state it loads is no training step,
     and each rank continues from its own totals (the ranks' shards differ in size; the one-file
     runs stage, so bytes are copied)."""
     bytes_moved = []
     for result in ranks:
-        uninterrupted, resumed = result["offload", distributed]["totals"]
+        uninterrupted, resumed = result["offload", kind]["totals"]
         for name in ("steps", "bytes_in", "bytes_out"):
             assert resumed[name] == uninterrupted[name], name
         assert uninterrupted["steps"] == 4
         bytes_moved.append(uninterrupted["bytes_in"])
-    if not distributed:
+    if kind == "file":
         assert bytes_moved[0] != bytes_moved[1] and min(bytes_moved) > 0

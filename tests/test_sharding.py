@@ -185,22 +185,27 @@ def test_fsdp2_backward_through_a_graph_recorded_before_the_step_after_a_wait(me
     assert_same(ours, [p.full_tensor() for p in reference.parameters()])
 
 
-def test_gradient_placed_otherwise_is_redistributed_and_left_as_it_was_like_torch(mesh):
+def test_gradient_placed_otherwise_is_redistributed_and_unscaled_like_torch(mesh):
     """torch's fused AdamW redistributes a gradient to its parameter's placements (here
-    Replicate to Shard(0)) for the update and leaves ``param.grad`` as it was."""
+    Replicate to Shard(0), a view of the gradient) for the update, and under GradScaler's scale
+    unscales that view in place; the offloaded step must leave parameters and gradients alike."""
     params = [dtensor_params(mesh, [(4, 3)])[0] for _ in range(2)]
     ours = OffloadAdamW(params[:1], lr=0.1, force_staging=True, chunk_size=64)
     reference = torch.optim.AdamW(params[1:], lr=0.1, fused=True)
     generator = torch.Generator().manual_seed(3)
-    for _ in range(2):
+    for step in range(3):
         grad = torch.randn(4, 3, generator=generator)
         for p in params:
             p.grad = distribute_tensor(grad.clone(), mesh, [Replicate()])
+        if step == 2:
+            for optimizer in (ours, reference):
+                optimizer.grad_scale, optimizer.found_inf = torch.tensor(4.0), torch.tensor(0.0)
         ours.step()
         reference.step()
     assert_same([p.full_tensor() for p in params[:1]], [p.full_tensor() for p in params[1:]])
     assert params[0].grad.placements == (Replicate(),)
-    assert_same([params[0].grad.to_local()], [grad])
+    assert_same([params[0].grad.to_local()], [params[1].grad.to_local()])
+    assert not torch.equal(params[0].grad.to_local(), grad)  # unscaled, as torch's was
 
 
 def test_gradient_on_another_mesh_is_refused(mesh):
