@@ -4,7 +4,7 @@
 # minutes also pay for the machine's start; each part is cut at its own limit and keeps what it
 # wrote, and killed 5 s later if it is still running: Lightning turns the first signal into an
 # exception, which pytest reports and goes on from, and a call stuck in C never sees it): the
-# `cuda` tests (the two that start NCCL apart, as a hang in its set-up cannot be interrupted in C
+# `cuda` tests (the three that start NCCL apart, as a hang in its set-up cannot be interrupted in C
 # code by pytest-timeout, and the compiled one apart, as its compilations may be slow), the
 # end-to-end benchmark (as many configurations as fit in E2E_BUDGET_S seconds), the step-time
 # micro-benchmark against the measured link bandwidth, then the random scenarios. Results go to
@@ -49,7 +49,7 @@ PY
 # pytest-timeout is installed (an unknown option would stop pytest). The random scenarios come
 # last, in what time is left: the benchmarks matter more than 20 more seeds.
 per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=90")
-nccl="fsdp2_on_one_gpu or ddp_bucket_views"
+nccl="fsdp2_on_one_gpu or ddp_bucket_views or tensor_parallel_on_one_gpu"
 compiled="compiled_model"
 timeout -k 5 170 python3 -m pytest -v -m cuda -p no:cacheprovider --durations=8 $per_test \
   -k "not ($nccl or $compiled)" tests/test_cuda.py 2>&1 | tee -a "$OUT/cuda_tests.txt"

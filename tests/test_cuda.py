@@ -793,3 +793,59 @@ def test_ddp_bucket_views_with_a_head_skipped_on_odd_steps_match_torch_on_cuda(t
         assert_same(list(ours.state_dict().values()), list(theirs.state_dict().values()))
     finally:
         dist.destroy_process_group()
+
+
+def test_tensor_parallel_on_one_gpu_overlapped_matches_torch(tmp_path):
+    """parallelize_module on a 1-rank NCCL mesh with a SequenceParallel norm: its partial-sum
+    gradients are redistributed (an NCCL all-reduce) into temporaries that the overlapped
+    update reads on its own stream after step() returns; bit-identical to torch fused AdamW."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "0": SequenceParallel(),
+        "1": ColwiseParallel(input_layouts=Shard(1)),
+        "3": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+    def train(model: nn.Module, optimizer) -> None:
+        generator = torch.Generator(device=CUDA).manual_seed(0)
+        for _ in range(4):
+            x = torch.randn(4, 256, 1024, device=CUDA, generator=generator)
+            model(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"file://{tmp_path}/rdv")
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+
+        def block() -> nn.Module:
+            torch.manual_seed(0)
+            layers = nn.Sequential(nn.LayerNorm(1024), nn.Linear(1024, 4096), nn.GELU())
+            layers.append(nn.Linear(4096, 1024))
+            return parallelize_module(layers.to(CUDA), mesh, plan)
+
+        ours, theirs = block(), block()
+        offload = OffloadAdamW(ours.parameters(), lr=1e-3, chunk_size=CHUNK)
+        offload.overlap_with(ours)
+        train(ours, offload)
+        offload.wait_for_updates()
+        train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-3, fused=True))
+        ours(torch.randn(4, 256, 1024, device=CUDA)).pow(2).mean().backward()
+        assert ours[0].weight.grad.placements == (Partial(),)  # else this tests nothing new
+        assert_same(
+            [p.full_tensor() for p in ours.parameters()],
+            [p.full_tensor() for p in theirs.parameters()],
+        )
+    finally:
+        dist.destroy_process_group()
