@@ -9,6 +9,7 @@ the others still run, so one failure does not hide the rest.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -305,11 +306,13 @@ class ParallelBlock(nn.Module):
         return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
-def tensor_parallel_block(mesh) -> dict:
+def tensor_parallel_block(overlapped: bool) -> Callable:
     """``parallelize_module`` with a ``SequenceParallel`` norm, whose replicated weights get
     partial-sum gradients (redistributed by the step, as torch's fused AdamW does), clipped;
     staged. The last step runs under a GradScaler's scale: gradients placed like their
-    parameters come back unscaled, the partial sums as they were, both as torch leaves them."""
+    parameters come back unscaled, the partial sums as they were, both as torch leaves them.
+    ``overlapped``: steps overlap the next forward, under the stream checker, which must see
+    the redistributed gradients (temporaries here, unlike on one rank) held for the update."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -322,14 +325,8 @@ def tensor_parallel_block(mesh) -> dict:
         "up": ColwiseParallel(input_layouts=Shard(1)),
         "down": RowwiseParallel(output_layouts=Shard(1)),
     }
-    result: dict = {}
-    for name, make in (
-        ("ours", lambda p: OffloadAdamW(p, force_staging=True, chunk_size=64, **HYPER)),
-        ("reference", lambda p: torch.optim.AdamW(p, fused=True, **HYPER)),
-    ):
-        torch.manual_seed(0)
-        model = parallelize_module(ParallelBlock(), mesh, plan)
-        optimizer = make(model.parameters())
+
+    def train(model: nn.Module, optimizer) -> None:
         for step in range(STEPS + 1):
             # This rank's half of the sequence (dimension 1), as SequenceParallel takes it.
             generator = torch.Generator().manual_seed(100 + step)
@@ -341,10 +338,33 @@ def tensor_parallel_block(mesh) -> dict:
             optimizer.step()
             if step < STEPS:
                 optimizer.zero_grad()
-        params = list(model.parameters())
-        result[name] = full(params) + [p.grad.to_local() for p in params]
-        result[f"{name}_grad_placements"] = [str(p.grad.placements) for p in params]
-    return result
+
+    def run(mesh) -> dict:
+        import stream_checker
+
+        result: dict = {}
+        for name in ("ours", "reference"):
+            torch.manual_seed(0)
+            model = parallelize_module(ParallelBlock(), mesh, plan)
+            if name == "reference":
+                train(model, torch.optim.AdamW(model.parameters(), fused=True, **HYPER))
+            else:
+                optimizer = OffloadAdamW(
+                    model.parameters(), force_staging=True, chunk_size=64, **HYPER
+                )
+                checking = stream_checker.StreamChecker() if overlapped else None
+                with checking or contextlib.nullcontext():
+                    if overlapped:
+                        optimizer.overlap_with(model)
+                    train(model, optimizer)
+                    optimizer.wait_for_updates()
+                result["violations"] = checking.violations[:5] if checking else []
+            params = list(model.parameters())
+            result[name] = full(params) + [p.grad.to_local() for p in params]
+            result[f"{name}_grad_placements"] = [str(p.grad.placements) for p in params]
+        return result
+
+    return run
 
 
 def strided_shard_loads(mesh) -> dict:
@@ -809,7 +829,8 @@ def scenarios(phase: str, out: Path) -> dict[str, Callable]:
         ),
         "fsdp_overlapped_grouped_without_group": fsdp_overlapped("grouped", "group"),
         "tensor_parallel_placements": tensor_parallel_placements,
-        "tensor_parallel_block": tensor_parallel_block,
+        "tensor_parallel_block": tensor_parallel_block(overlapped=False),
+        "tensor_parallel_block_overlapped": tensor_parallel_block(overlapped=True),
         "strided_shard_loads": strided_shard_loads,
         "refusals": refusals,
         "zero_redundancy": zero_redundancy,

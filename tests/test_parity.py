@@ -231,9 +231,10 @@ def test_missing_gradients_and_frozen_parameters(mode):
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_complex_parameters(mode, amsgrad):
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_complex_parameters(mode, amsgrad, dtype):
     shapes = [(40, 3), (7,)]
-    params = make_params(shapes, dtype=torch.complex64)
+    params = make_params(shapes, dtype=dtype)
     reference = clone_params(params)
     # torch's fused kernel takes no complex tensors; torch's own AdamW views complex parameters
     # as real pairs, so fused AdamW over real views of the same values is the exact reference.
@@ -252,13 +253,16 @@ def test_complex_parameters(mode, amsgrad):
     for p, r in zip(params, reference, strict=True):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
         state = offload.offloaded_state(p)
-        assert state["exp_avg"].dtype == torch.complex64
+        assert state["exp_avg"].dtype == dtype
         torch.testing.assert_close(state["exp_avg_sq"], torch_opt.state[r]["exp_avg_sq"])
     # In their own precision: torch's keys, no fp32 master copy, host memory for the moments.
     ours, torchs = offload.state_dict()["state"], torch_opt.state_dict()["state"]
     assert all(ours[i].keys() == torchs[i].keys() for i in torchs)
     moments = 3 if amsgrad else 2
-    assert offload.memory_stats()["state_bytes"] == moments * sum(8 * p.numel() for p in params)
+    per_element = params[0].element_size()  # 8 or 16 bytes: the parameter's own precision
+    assert offload.memory_stats()["state_bytes"] == moments * per_element * sum(
+        p.numel() for p in params
+    )
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
@@ -908,6 +912,29 @@ def test_parameter_storage_replaced_with_the_same_shape(mode, how):
         r.data = new.clone()
     step_together([offload, torch_opt], [params, reference], generator, 2)
     assert_same(params, reference)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_complex32_parameters_step_on_fp32_masters_of_their_real_pairs(mode):
+    """complex32 (pairs of fp16) is low precision like fp16: fp32 moments and an fp32 master
+    copy, so it steps exactly as fused AdamW on fp32 copies of its real view, rounded."""
+    params = [
+        torch.nn.Parameter(p.detach().to(torch.complex32))
+        for p in make_params([(40, 3), (7,)], dtype=torch.complex64)
+    ]
+    real_reference = [torch.nn.Parameter(torch.view_as_real(p.detach()).clone()) for p in params]
+    offload = OffloadAdamW(params, lr=1e-2, **mode)
+    masters = MasterCopyAdamW([{"params": real_reference}], lr=1e-2)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        for p, r in zip(params, real_reference, strict=True):
+            p.grad = torch.randn(p.shape, dtype=torch.complex64, generator=generator).to(p.dtype)
+            r.grad = torch.view_as_real(p.grad).clone()
+        offload.step()
+        masters.step()
+    assert_same([torch.view_as_real(p) for p in params], real_reference)
+    assert offload.memory_stats()["state_bytes"] == sum(3 * 4 * 2 * p.numel() for p in params)
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())

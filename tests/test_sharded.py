@@ -28,6 +28,7 @@ TWO_RANK_SCENARIOS = [
     "fsdp_overlapped_streams_unknown",
     "tensor_parallel_placements",
     "tensor_parallel_block",
+    "tensor_parallel_block_overlapped",
     pytest.param(
         "strided_shard_loads",
         marks=pytest.mark.skipif(
@@ -148,11 +149,14 @@ def test_state_keeps_the_parameters_placements(runs):
         assert result["placements"] == [[p, p] for p in result["param_placements"]]
 
 
-def test_partial_sum_gradients_are_summed_for_the_update_and_left_as_they_were(runs):
-    """The block's norm weights get partial sums (else the block would test nothing new)."""
-    for result in results(runs, "all", "tensor_parallel_block"):
+@pytest.mark.parametrize("scenario", ["tensor_parallel_block", "tensor_parallel_block_overlapped"])
+def test_partial_sum_gradients_are_summed_for_the_update_and_left_as_they_were(runs, scenario):
+    """The block's norm weights get partial sums (else the block would test nothing new); the
+    overlapped update holds their redistributed temporaries until it has read them."""
+    for result in results(runs, "all", scenario):
         assert "(Partial(sum),)" in result["ours_grad_placements"]
         assert result["ours_grad_placements"] == result["reference_grad_placements"]
+        assert result["violations"] == []
 
 
 def test_sharded_state_dict_is_dtensors_viewing_the_host_buffers(runs):

@@ -445,10 +445,12 @@ def test_a_dtensor_over_part_of_a_buffer_keeps_its_version_counter_checked(mesh)
 
 @pytest.mark.parametrize("resident", [None, 0.5], ids=["offloaded", "resident-0.5"])
 def test_overlapped_tensor_parallel_steps_order_their_redistributed_gradients(mesh, resident):
-    """A ``SequenceParallel`` norm's partial-sum gradients are redistributed into temporaries
-    that the overlapped update reads after ``step()`` returns and the caller drops them: under
-    the stream checker (which simulates the caching allocator handing freed memory out again),
-    the update must hold them, and train exactly as torch's fused AdamW."""
+    """Overlapped steps of a tensor-parallel block (a ``SequenceParallel`` norm, partial-sum
+    gradients) read gradients after ``step()`` returns and the caller drops them: under the
+    stream checker (which simulates the caching allocator handing freed memory out again) the
+    update must hold them, and train exactly as torch's fused AdamW. On one rank the
+    redistribution hands back the gradient's own memory; the temporaries of two ranks are
+    checked in tests/test_sharded.py (``tensor_parallel_block_overlapped``)."""
     from stream_checker import StreamChecker
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor.parallel import (

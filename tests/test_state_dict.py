@@ -360,7 +360,7 @@ def test_a_shallow_copy_is_refused_and_a_disabled_ones_shares_like_torchs():
     for optimizer in (shallow, disabled, shallow):
         step_together([optimizer, torch_opt], [params, reference], generator, 1)
     assert_same(params, reference)
-    assert shallow.state is disabled.state and not shallow.enabled
+    assert shallow is not disabled and shallow.state is disabled.state and not shallow.enabled
 
 
 def test_groups_loaded_from_a_foreach_adamw_make_a_torch_adamw_again():
