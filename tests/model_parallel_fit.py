@@ -92,6 +92,8 @@ KINDS = ("sharded", "file", "tensor-parallel")
 
 
 def strategy(kind: str) -> ModelParallelStrategy:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind == "tensor-parallel":
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
     return ModelParallelStrategy(

@@ -64,7 +64,7 @@ def run(out: Path, optimizer: str, resumes: dict[str, float | None]) -> dict[str
     )
     fit = trainer(
         out / optimizer,
-        strategy=strategy(True),
+        strategy=strategy("sharded"),
         devices=2,
         max_steps=STEPS,
         callbacks=[saver, end := AtTrainEnd()],
@@ -87,7 +87,7 @@ def run(out: Path, optimizer: str, resumes: dict[str, float | None]) -> dict[str
         resumed = model(optimizer, resident)
         again = trainer(
             out / f"{optimizer}-resumed-{name}",
-            strategy=strategy(True),
+            strategy=strategy("sharded"),
             devices=2,
             max_steps=STEPS,
             callbacks=[end := AtTrainEnd()],
