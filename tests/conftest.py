@@ -53,6 +53,29 @@ def mesh(tmp_path_factory: pytest.TempPathFactory):
         dist.destroy_process_group()
 
 
+def sequence_parallel(
+    block: torch.nn.Module, mesh: Any, norm: str = "0", up: str = "1", down: str = "3"
+) -> torch.nn.Module:
+    """``block`` (a pre-norm MLP, an ``nn.Sequential`` by default) tensor parallel over
+    ``mesh`` as Lightning's docs and torchtitan shard one: each rank holds a slice of the
+    sequence (dimension 1) through the norm (``SequenceParallel``, whose replicated weights get
+    partial-sum gradients), the up projection split by columns, the down one by rows."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        norm: SequenceParallel(),
+        up: ColwiseParallel(input_layouts=Shard(1)),
+        down: RowwiseParallel(output_layouts=Shard(1)),
+    }
+    return parallelize_module(block, mesh, plan)
+
+
 SHAPES = [(300, 7), (5,), (1000,), (13, 17), (2, 3, 4, 5)]
 
 

@@ -15,18 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from conftest import sequence_parallel
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_models import TinyModel, make_data, trainer
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadMonitor
@@ -63,12 +58,7 @@ class TensorParallelModel(ShardedModel):
     def configure_model(self) -> None:
         if isinstance(self.net[1].weight, DTensor):  # validate() after fit() calls this again
             return
-        plan = {
-            "0": SequenceParallel(),
-            "1": ColwiseParallel(input_layouts=Shard(1)),
-            "3": RowwiseParallel(output_layouts=Shard(1)),
-        }
-        parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
+        sequence_parallel(self.net, self.device_mesh["tensor_parallel"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         token = self.device_mesh["tensor_parallel"].get_local_rank()

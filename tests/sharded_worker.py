@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import MasterCopyAdamW
+from conftest import MasterCopyAdamW, sequence_parallel
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -313,18 +313,6 @@ def tensor_parallel_block(overlapped: bool) -> Callable:
     parameters come back unscaled, the partial sums as they were, both as torch leaves them.
     ``overlapped``: steps overlap the next forward, under the stream checker, which must see
     the redistributed gradients (temporaries here, unlike on one rank) held for the update."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    plan = {
-        "norm": SequenceParallel(),
-        "up": ColwiseParallel(input_layouts=Shard(1)),
-        "down": RowwiseParallel(output_layouts=Shard(1)),
-    }
 
     def train(model: nn.Module, optimizer) -> None:
         for step in range(STEPS + 1):
@@ -345,7 +333,7 @@ def tensor_parallel_block(overlapped: bool) -> Callable:
         result: dict = {}
         for name in ("ours", "reference"):
             torch.manual_seed(0)
-            model = parallelize_module(ParallelBlock(), mesh, plan)
+            model = sequence_parallel(ParallelBlock(), mesh, "norm", "up", "down")
             if name == "reference":
                 train(model, torch.optim.AdamW(model.parameters(), fused=True, **HYPER))
             else:

@@ -17,6 +17,7 @@ from conftest import (
     exact_reference,
     forked_child_memory_map,
     make_params,
+    sequence_parallel,
     set_grads,
     step_together,
 )
@@ -801,19 +802,7 @@ def test_tensor_parallel_on_one_gpu_overlapped_matches_torch(tmp_path):
     update reads on its own stream after step() returns; bit-identical to torch fused AdamW."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Partial, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    plan = {
-        "0": SequenceParallel(),
-        "1": ColwiseParallel(input_layouts=Shard(1)),
-        "3": RowwiseParallel(output_layouts=Shard(1)),
-    }
+    from torch.distributed.tensor import Partial
 
     def train(model: nn.Module, optimizer) -> None:
         generator = torch.Generator(device=CUDA).manual_seed(0)
@@ -833,7 +822,7 @@ def test_tensor_parallel_on_one_gpu_overlapped_matches_torch(tmp_path):
             torch.manual_seed(0)
             layers = nn.Sequential(nn.LayerNorm(1024), nn.Linear(1024, 4096), nn.GELU())
             layers.append(nn.Linear(4096, 1024))
-            return parallelize_module(layers.to(CUDA), mesh, plan)
+            return sequence_parallel(layers.to(CUDA), mesh)
 
         ours, theirs = block(), block()
         offload = OffloadAdamW(ours.parameters(), lr=1e-3, chunk_size=CHUNK)

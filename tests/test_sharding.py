@@ -11,7 +11,7 @@ import io
 
 import pytest
 import torch
-from conftest import MasterCopyAdamW, assert_same
+from conftest import MasterCopyAdamW, assert_same, sequence_parallel
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -453,25 +453,13 @@ def test_overlapped_tensor_parallel_steps_order_their_redistributed_gradients(me
     checked in tests/test_sharded.py (``tensor_parallel_block_overlapped``)."""
     from stream_checker import StreamChecker
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    plan = {
-        "0": SequenceParallel(),
-        "1": ColwiseParallel(input_layouts=Shard(1)),
-        "3": RowwiseParallel(output_layouts=Shard(1)),
-    }
 
     def block() -> torch.nn.Module:
         torch.manual_seed(0)
         layers = torch.nn.Sequential(
             torch.nn.LayerNorm(8), torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)
         )
-        return parallelize_module(layers, mesh, plan)
+        return sequence_parallel(layers, mesh)
 
     def train(model, optimizer) -> None:
         for step in range(3):
