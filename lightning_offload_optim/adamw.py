@@ -817,7 +817,7 @@ class OffloadAdamW(torch.optim.AdamW):
         stacked = torch.stack(steps).add_(1.0)
         if pin and any(device.type != "cpu" for device in devices):
             stacked = stacked.pin_memory()
-        copies = {d: stacked.to(d, non_blocking=True) for d in devices}
+        copies = {d: stacked.to(d, non_blocking=True).unbind() for d in devices}
         return [copies[a.param.device][i] for i, a in enumerate(active)]
 
     def _update_chunk(
@@ -835,13 +835,16 @@ class OffloadAdamW(torch.optim.AdamW):
         their edits. Gradients are unscaled by ``grad_scales[device]`` where given (GradScaler),
         in place, as torch's fused kernel leaves them."""
         grad_scale = grad_scales.get(chunk.arena.device)
+        # Segments tile the chunk: each state view is cut into their pieces in one call.
+        sizes = [seg.stop - seg.start for seg in chunk.segments]
+        pieces = {key: view.split_with_sizes(sizes) for key, view in views.items()}
         calls: dict[int, _KernelLists] = {}
-        for seg in chunk.segments:
+        for position, seg in enumerate(chunk.segments):
             a = active[seg.index]
             if a.group not in calls:
                 calls[a.group] = _KernelLists()
             lists = calls[a.group]
-            lists.add(a, seg.start, seg.stop, slice(seg.offset, seg.offset + seg.stop - seg.start))
+            lists.add(a, seg.start, seg.stop, position)
             lists.steps.append(steps[seg.index])
             if seg.index in edited:
                 lists.edited.append(len(lists.state) - 1)
@@ -850,8 +853,8 @@ class OffloadAdamW(torch.optim.AdamW):
             h = hyper[g]
             targets, grads = lists.params, lists.grads
             if with_master:  # bf16/fp16 params: update the fp32 master, then round
-                targets = [views[MASTER_KEY][s] for s in lists.state]
-                grads = [views[GRAD_KEY][s] for s in lists.state]
+                targets = lists.pieces(pieces[MASTER_KEY])
+                grads = lists.pieces(pieces[GRAD_KEY])
                 torch._foreach_copy_(grads, lists.grads)
                 if lists.edited:
                     take_edits(
@@ -860,9 +863,9 @@ class OffloadAdamW(torch.optim.AdamW):
             adamw_update(
                 targets,
                 grads,
-                [views["exp_avg"][s] for s in lists.state],
-                [views["exp_avg_sq"][s] for s in lists.state],
-                [views["max_exp_avg_sq"][s] for s in lists.state] if h.amsgrad else [],
+                lists.pieces(pieces["exp_avg"]),
+                lists.pieces(pieces["exp_avg_sq"]),
+                lists.pieces(pieces["max_exp_avg_sq"]) if h.amsgrad else [],
                 lists.steps,
                 lr=h.lr,
                 beta1=h.beta1,
@@ -1331,15 +1334,19 @@ class _KernelLists:
     def __init__(self) -> None:
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
-        self.state: list[slice] = []
+        self.state: list[int] = []  # the segments' positions in the chunk
         self.steps: list[Tensor] = []
-        self.edited: list[int] = []  # positions of segments of edited parameters
+        self.edited: list[int] = []  # positions in these lists of edited parameters' segments
 
-    def add(self, a: _Active, start: int, stop: int, state: slice) -> None:
+    def add(self, a: _Active, start: int, stop: int, position: int) -> None:
         whole = start == 0 and stop == a.slot.layout.numel  # no new view object needed
         self.params.append(a.flat_param if whole else a.flat_param[start:stop])
         self.grads.append(a.flat_grad if whole else a.flat_grad[start:stop])
-        self.state.append(state)
+        self.state.append(position)
+
+    def pieces(self, chunk_pieces: tuple[Tensor, ...]) -> list[Tensor]:
+        """This call's pieces of one state key, from the chunk's pieces of it."""
+        return [chunk_pieces[i] for i in self.state]
 
 
 def _unscaled_into_copied_grads(chunk: Chunk, active: list[_Active], left: dict[int, int]) -> None:

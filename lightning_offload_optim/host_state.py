@@ -24,6 +24,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -105,7 +106,7 @@ class ParamLayout:
     numel: int  # real elements: twice the parameter's numel for complex parameters
     order: tuple[int, ...]  # dims of the real view sorted from outermost to innermost in memory
 
-    @property
+    @cached_property  # read per parameter and step
     def permuted(self) -> bool:
         return self.order != tuple(range(len(self.order)))
 
