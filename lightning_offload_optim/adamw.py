@@ -52,6 +52,7 @@ from lightning_offload_optim.step_stats import StepRecord
 from lightning_offload_optim.validation import (
     FORMAT_KEY,
     FORMAT_VERSION,
+    KERNEL_FLAGS_TAKEN,
     Hyperparameters,
     LoadedEntry,
     amp_scaling,
@@ -357,14 +358,17 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, but a parameter listed twice in one group is refused (torch only warns,
-        then steps it twice per step), and one in an earlier group is named. Groups record
-        ``fused=True``: that is the kernel used, and ``torch.optim.AdamW`` loading the state dict
-        then uses it too. Its hyperparameters are checked here, as at every step: a group every
-        step would refuse is refused now."""
+        then steps it twice per step), and one in an earlier group is named; so is a kernel
+        flag the constructor refuses (``differentiable=True``: torch's fused AdamW refuses it at
+        the step). Groups record ``fused=True``: that is the kernel used, and
+        ``torch.optim.AdamW`` loading the state dict then uses it too. Its hyperparameters are
+        checked here, as at every step: a group every step would refuse is refused now."""
         params = param_group.get("params") if isinstance(param_group, dict) else None
         if params is not None and self.enabled:
-            check_hyperparameters(
-                self.defaults | param_group, f"param group {len(self.param_groups)}"
+            where = f"param group {len(self.param_groups)}"
+            check_hyperparameters(self.defaults | param_group, where)
+            check_kernel_flags(
+                {k: v for k, v in param_group.items() if k in KERNEL_FLAGS_TAKEN}, where
             )
         group = len(self.param_groups)
         if isinstance(params, Tensor) and self.enabled:

@@ -70,15 +70,16 @@ KERNEL_FLAGS_TAKEN: dict[str, tuple[bool | None, ...]] = {
 }
 
 
-def check_kernel_flags(flags: Mapping[str, Any]) -> None:
-    """Refuse a ``torch.optim.AdamW`` kernel flag an offloaded step cannot honour, by name."""
+def check_kernel_flags(flags: Mapping[str, Any], where: str = "") -> None:
+    """Refuse a ``torch.optim.AdamW`` kernel flag an offloaded step cannot honour, by name
+    (``where``: the param group that gives it, if not the constructor)."""
     for name, value in flags.items():
         if not any(value is taken for taken in KERNEL_FLAGS_TAKEN[name]):
             taken = ", ".join(f"{n}={v[-1]}" for n, v in KERNEL_FLAGS_TAKEN.items())
             raise ValueError(
                 f"OffloadAdamW runs torch's fused AdamW kernel on the state it streams, so "
-                f"{name}={value!r} cannot be honoured: leave it out ({taken} are taken), or "
-                "pass enabled=False for torch's AdamW with it"
+                f"{name}={value!r}{f' in {where}' if where else ''} cannot be honoured: leave "
+                f"it out ({taken} are taken), or pass enabled=False for torch's AdamW with it"
             )
 
 

@@ -481,12 +481,20 @@ def test_disabled_takes_torch_adamws_kernel_flags(flags):
 def test_kernel_flags_an_offloaded_step_cannot_honour_are_refused_by_name(flag, value):
     """``torch.optim.AdamW(..., fused=True)`` with the class name changed works (the fused
     kernel is what runs; ``foreach=False`` too); a flag asking for another kernel, a
-    capturable or a differentiable step is refused, naming it and the way out."""
+    capturable or a differentiable step is refused, naming it and the way out: in the
+    constructor, and in a group added later (which stepped, silently not differentiable,
+    before), leaving the groups as they were."""
     params = make_params()
-    taken = OffloadAdamW(params, fused=True, foreach=False, capturable=False)
+    taken = OffloadAdamW(params[:1], fused=True, foreach=False, capturable=False)
     assert taken.param_groups[0]["fused"] is True
     with pytest.raises(ValueError, match=rf"so {flag}={value} cannot be honoured.*enabled=False"):
         OffloadAdamW(params, **{flag: value})
+    message = rf"so {flag}={value} in param group 1 cannot be honoured.*enabled=False"
+    with pytest.raises(ValueError, match=message):
+        taken.add_param_group({"params": params[1:], flag: value})
+    assert len(taken.param_groups) == 1
+    taken.add_param_group({"params": params[1:], "fused": True, "foreach": False})
+    assert taken.param_groups[1]["fused"] is True
     taken_list = "foreach=False, capturable=False, differentiable=False, fused=True are taken"
     with pytest.raises(ValueError, match=rf"so fused=1 cannot be honoured.*\({taken_list}\)"):
         OffloadAdamW(params, fused=1)  # a flag is a bool or None: 1 is not True
