@@ -34,12 +34,12 @@ GRAD_KEY = "grad"
 
 @dataclass
 class Segment:
-    """The piece ``[start, stop)`` of active parameter ``index`` (flat, real), inside a chunk."""
+    """The piece ``[start, stop)`` of active parameter ``index`` (flat, real), inside a chunk.
+    A chunk's segments tile it in order."""
 
     index: int
     start: int
     stop: int
-    offset: int  # position of ``start`` inside the chunk
 
 
 @dataclass
@@ -101,7 +101,7 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
                 current = Chunk(slot.arena, position, position)
                 chunks.append(current)
                 continue
-            current.segments.append(Segment(index, done, done + take, current.numel))
+            current.segments.append(Segment(index, done, done + take))
             current.stop += take
             done += take
     return chunks
