@@ -818,7 +818,13 @@ class OffloadAdamW(torch.optim.AdamW):
         devices = {a.param.device for a in active}
         if not any(stages(device) for device in devices):
             return steps
-        stacked = torch.stack(steps).add_(1.0)
+        if len({id(step) for step in steps}) == len(steps):
+            stacked = torch.stack(steps).add_(1.0)
+        else:  # a count shared by entries (set so by hand) advances once for each, as on the host
+            own = {id(step): step.clone() for step in steps}
+            advanced = [own[id(step)] for step in steps]
+            torch._foreach_add_(advanced, torch.tensor(1.0, device="cpu"), alpha=1.0)
+            stacked = torch.stack(advanced)
         if pin and any(device.type != "cpu" for device in devices):
             stacked = stacked.pin_memory()
         copies = {d: stacked.to(d, non_blocking=True).unbind() for d in devices}

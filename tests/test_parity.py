@@ -1074,3 +1074,49 @@ def test_steps_inside_inference_mode_leave_buffers_usable_outside(settings, over
     if overlap:
         ours.wait_for_updates()
     assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+RESIDENT = {"force_staging": True, "resident": 1.0}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"force_staging": True}, {"force_staging": True, "chunk_size": 64}, RESIDENT],
+    ids=["direct", "staged", "staged-64", "resident"],
+)
+def test_a_step_count_shared_by_entries_advances_once_per_parameter_as_torchs(settings, overlap):
+    """One tensor written into every entry's ``step`` (a bias-correction reset by hand) is
+    advanced once per parameter and step by torch's AdamW, whose kernel then reads the sum: so
+    here in every mode (staged kernels read copies of the counts, made before the host's
+    advance), and a state dict holding such a count loads sharing it, as into torch's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    twin = copy.deepcopy(model)
+    ours = OffloadAdamW(model.parameters(), lr=0.05, **settings)
+    if overlap:
+        ours.overlap_with(model)
+    theirs = torch.optim.AdamW(twin.parameters(), lr=0.05, fused=True)
+    inputs = torch.randn(6, 4, 6, generator=torch.Generator().manual_seed(1))
+
+    def train(batches: torch.Tensor) -> list[float]:
+        for x in batches:
+            for net, optimizer in ((model, ours), (twin, theirs)):
+                net(x).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        ours.wait_for_updates()
+        assert_same(list(model.parameters()), list(twin.parameters()))
+        steps = [float(ours.state[p]["step"]) for p in model.parameters()]
+        assert steps == [float(theirs.state[p]["step"]) for p in twin.parameters()]
+        return steps
+
+    train(inputs[:2])
+    for optimizer in (ours, theirs):
+        zero = torch.tensor(0.0)
+        for entry in optimizer.state.values():
+            entry["step"] = zero
+    assert train(inputs[2:4]) == [8.0] * 4  # 4 parameters, 2 steps
+    for optimizer in (ours, theirs):
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # the sharing kept
+    assert train(inputs[4:]) == [16.0] * 4
