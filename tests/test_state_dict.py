@@ -874,6 +874,39 @@ def test_load_after_a_stride_change_takes_the_new_layout():
     )
 
 
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_loaded_moments_with_other_strides_are_read_by_their_indices(mode):
+    """Loaded moments may be views with strides of their own (a transposed or every-other-
+    element view, from a converted or hand-made checkpoint): they are taken element by element
+    as indexed, as torch's fused AdamW takes their contiguous copies. (Given the views
+    themselves, torch's fused kernel reads their memory as contiguous, so its result depends on
+    how the checkpoint was made.)"""
+    params = make_params([(30, 7), (13,)])
+    reference_params = clone_params(params)
+    generator = torch.Generator().manual_seed(24)
+    moments = [torch.rand(7, 30, generator=generator) for _ in range(2)]
+    moments += [torch.rand(26, generator=generator) for _ in range(2)]
+
+    def saved(contiguous: bool) -> dict:
+        views = [moments[0].t(), moments[1].t(), moments[2][::2], moments[3][::2]]
+        if contiguous:
+            views = [v.contiguous() for v in views]
+        return {
+            "state": {
+                0: {"step": torch.tensor(3.0), "exp_avg": views[0], "exp_avg_sq": views[1]},
+                1: {"step": torch.tensor(3.0), "exp_avg": views[2], "exp_avg_sq": views[3]},
+            },
+            "param_groups": [{**OffloadAdamW(params).state_dict()["param_groups"][0]}],
+        }
+
+    opt = OffloadAdamW(params, **mode)
+    opt.load_state_dict(saved(contiguous=False))
+    reference = torch.optim.AdamW(reference_params, fused=True)
+    reference.load_state_dict(saved(contiguous=True))
+    step_together([opt, reference], [params, reference_params], generator, 2)
+    assert_same(params, reference_params)
+
+
 def test_load_after_a_shape_change_takes_the_new_shape():
     """A parameter replaced by one of another shape (same size), then a checkpoint for the new
     shape loaded: the state is laid out anew, as torch's AdamW takes it."""
