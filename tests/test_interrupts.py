@@ -776,3 +776,36 @@ def test_no_ctrl_c_is_held_for_a_torch_optimizer(tmp_path):
     offload = RecordsHoldsInSteps()
     trainer(tmp_path / "offload", max_steps=3).fit(offload)
     assert offload.held == [True, True, True]  # the check above can see a hold
+
+
+class ZeroRecordsHolds(RecordsHoldsInSteps):
+    """A ``ZeroRedundancyOptimizer`` of OffloadAdamW: its inner step records the hold."""
+
+    def configure_optimizers(self):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        zero = ZeroRedundancyOptimizer(self.parameters(), OffloadAdamW, lr=0.01)
+        self.held: list[bool] = []
+        zero.optim.register_step_post_hook(
+            lambda *_: self.held.append(interrupts.SigintHold.current() is not None)
+        )
+        return zero
+
+
+@pytest.mark.parametrize("monitored", [False, True], ids=["mixin", "monitor"])
+def test_ctrl_c_is_held_for_an_offload_adamw_inside_a_zero_redundancy_optimizer(
+    tmp_path, monitored
+):
+    """``ZeroRedundancyOptimizer(optimizer_class=OffloadAdamW)`` steps an OffloadAdamW: its
+    steps hold Ctrl-C to the batch's end too (the hold looked at the wrapper only)."""
+    import torch.distributed as dist
+
+    model = ZeroRecordsHolds()
+    callbacks = [OffloadMonitor(summary=False)] if monitored else []
+    rendezvous = f"file://{tmp_path / 'pg'}"
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=rendezvous)
+    try:
+        trainer(tmp_path, max_steps=3, callbacks=callbacks).fit(model)
+    finally:
+        dist.destroy_process_group()
+    assert model.held == [True, True, True]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -648,6 +649,46 @@ def test_ddp_host_bytes_summed_over_ranks_with_overlap(tmp_path):
             assert m[P + "interval_steps"] == 2.0  # mean over ranks, 2 steps each
         # This rank's bytes: each step moves the whole state both ways.
         assert [m[P + "total_moved_bytes"] for _, m in rows] == [2 * 2 * STATE, 4 * 2 * STATE]
+
+
+def test_a_zero_redundancy_optimizer_of_offload_adamw_is_monitored(tmp_path):
+    """``ZeroRedundancyOptimizer(optimizer_class=OffloadAdamW)`` (docs/scaling.md) steps its
+    OffloadAdamW inside its own ``step()``: the monitor logs that optimizer's figures (it
+    warned that the Trainer had none and logged nothing), and checkpoints record its settings."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from lightning_offload_optim.lightning.checkpoint import offload_metadata
+
+    class ZeroModel(TinyModel):
+        def configure_optimizers(self) -> Any:
+            return ZeroRedundancyOptimizer(
+                self.parameters(), OffloadAdamW, lr=0.01, force_staging=True, chunk_size=CHUNK
+            )
+
+    capture = CaptureLogger()
+    fitted = trainer(
+        tmp_path,
+        max_steps=4,
+        logger=capture,
+        callbacks=[OffloadMonitor(summary=False)],
+        log_every_n_steps=2,
+    )
+    rendezvous = f"file://{tmp_path / 'pg'}"
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=rendezvous)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", "OffloadMonitor")
+            fitted.fit(ZeroModel())
+    finally:
+        dist.destroy_process_group()
+    assert [s for s, _ in capture.rows] == [1, 3]
+    for _, m in capture.rows:
+        assert m[P + "memory_saved_bytes"] == m[P + "host_bytes"] == STATE
+        assert m[P + "interval_steps"] == 2.0
+    assert [m[P + "total_moved_bytes"] for _, m in capture.rows] == [2 * 2 * STATE, 4 * 2 * STATE]
+    settings = offload_metadata(fitted.optimizers)["optimizers"]
+    assert settings == [{"index": 0, "enabled": True, "chunk_size": CHUNK, "pin_memory": False}]
 
 
 def _ddp_main(out: Path) -> None:

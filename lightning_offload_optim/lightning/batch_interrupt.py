@@ -19,8 +19,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerStatus
 
-from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.interrupts import SigintHold
+from lightning_offload_optim.lightning.optimizers import offload_adamw
 
 #: Each trainer's hold, kept off the module and the callback: copies of either (``torch.save``,
 #: ``AveragedModel``, ``ddp_spawn``) would otherwise carry the process's SIGINT handler.
@@ -32,7 +32,7 @@ def hold_ctrl_c_until_batch_end(
 ) -> None:
     """From ``on_before_optimizer_step``: hold SIGINT from the batch's first OffloadAdamW step
     (a later step of the batch finds it held already)."""
-    if trainer is None or not isinstance(optimizer, OffloadAdamW):
+    if trainer is None or offload_adamw(optimizer) is None:
         return
     if threading.current_thread() is not threading.main_thread():
         return  # signals reach the main thread only (and a stale hold is ended only there)

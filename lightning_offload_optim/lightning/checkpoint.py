@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_offload_optim.adamw import OffloadAdamW
+from lightning_offload_optim.lightning.optimizers import offload_adamw
 from lightning_offload_optim.validation import FORMAT_VERSION, check_format_version
 
 #: Checkpoint key holding the metadata.
@@ -27,8 +27,8 @@ def offload_metadata(optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
                 "chunk_size": opt.chunk_size,
                 "pin_memory": opt.pin_memory,
             }
-            for index, opt in enumerate(optimizers)
-            if isinstance(opt, OffloadAdamW)
+            for index, wrapper in enumerate(optimizers)
+            if (opt := offload_adamw(wrapper)) is not None
         ],
     }
 

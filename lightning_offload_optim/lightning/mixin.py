@@ -31,6 +31,7 @@ from lightning_offload_optim.lightning.hook_overrides import (
     lost_without_super,
     warn_of_overrides_without_super,
 )
+from lightning_offload_optim.lightning.optimizers import offload_optimizers
 from lightning_offload_optim.lightning.schedule import (
     LINKED_GROUP_KEY,
     WarmupCosineLR,
@@ -328,11 +329,7 @@ class OffloadOptimizerMixin:
             )
         optimizers = trainer.optimizers if trainer is not None else []
         mixins_ran = getattr(self, "_offload_configured", False)
-        if (
-            optimizers
-            and not mixins_ran
-            and not any(isinstance(o, OffloadAdamW) for o in optimizers)
-        ):
+        if optimizers and not mixins_ran and not offload_optimizers(optimizers):
             owner = next(k for k in type(self).__mro__ if "configure_optimizers" in vars(k))
             rank_zero_warn(
                 f"{type(self).__name__} inherits OffloadOptimizerMixin, but none of its "
@@ -399,7 +396,7 @@ class OffloadOptimizerMixin:
     def _offload_optimizers(self) -> list[OffloadAdamW]:
         trainer = getattr(self, "_trainer", None)
         optimizers = trainer.optimizers if trainer is not None else []
-        return [o for o in optimizers if isinstance(o, OffloadAdamW)]
+        return offload_optimizers(optimizers)
 
     def _offload_overlaps(self) -> list[Any]:
         """The forward overlaps of this trainer's OffloadAdamW optimizers that have one."""

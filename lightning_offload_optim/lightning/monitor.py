@@ -22,6 +22,7 @@ from lightning_offload_optim.lightning.checkpoint import (
     check_metadata,
     offload_metadata,
 )
+from lightning_offload_optim.lightning.optimizers import offload_optimizers
 from lightning_offload_optim.step_stats import StepRecord, StepStats
 
 #: Cumulative counters kept in the callback's checkpointed state.
@@ -124,14 +125,12 @@ class OffloadMonitor(Callback):
         # Steps of a fit that raised, not read yet (a device step in flight): counted in the
         # totals, not in this fit's first row.
         self._fold_pending()
-        self._optimizers = [
-            opt for opt in trainer.optimizers if isinstance(opt, OffloadAdamW) and opt.enabled
-        ]
+        self._optimizers = [opt for opt in offload_optimizers(trainer.optimizers) if opt.enabled]
         if not self._optimizers:
             rank_zero_warn(
                 "OffloadMonitor: the Trainer has no enabled OffloadAdamW optimizer; nothing will "
-                "be logged. Use OffloadOptimizerMixin or return OffloadAdamW from "
-                "configure_optimizers."
+                "be logged. Use OffloadOptimizerMixin or return OffloadAdamW (or a "
+                "ZeroRedundancyOptimizer of OffloadAdamW) from configure_optimizers."
             )
             return
         # Updated once per row, on the module's device, where it reduces across ranks.
