@@ -757,3 +757,20 @@ def test_offload_overlap_blocks_reach_overlap_with():
     with pytest.raises(ValueError, match="blocks must be submodules"):
         WrongBlocks(overlap_step=True, force_staging=True).configure_optimizers()
     TinyModel(overlap_step=True, force_staging=True).configure_optimizers()  # no blocks: fine
+
+
+def test_an_offload_adamw_is_found_in_a_wrapper_keeping_it_as_optim_and_nothing_else():
+    """The Lightning parts see an OffloadAdamW itself or inside a wrapper that keeps it as
+    ``optim`` (``ZeroRedundancyOptimizer``, ``PostLocalSGDOptimizer``); a wrapper of another
+    optimizer is not taken for one (the monitor would read its memory stats)."""
+    from lightning_offload_optim.lightning.optimizers import offload_optimizers
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, optim: torch.optim.Optimizer) -> None:
+            self.optim = optim
+            super().__init__(optim.param_groups, {})
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    offload, sgd = OffloadAdamW(params), torch.optim.SGD(params, lr=0.1)
+    found = offload_optimizers([sgd, Wrapper(sgd), Wrapper(offload), offload])
+    assert [id(o) for o in found] == [id(offload), id(offload)]

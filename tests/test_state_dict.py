@@ -907,6 +907,28 @@ def test_loaded_moments_with_other_strides_are_read_by_their_indices(mode):
     assert_same(params, reference_params)
 
 
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_step_counts_saved_as_python_numbers_load_as_counts_of_their_own(mode):
+    """torch before 1.12 saved step counts as Python ints: equal ones are one object in a
+    state dict, yet each is a count of its own, as torch's AdamW loads them (only a shared
+    tensor stays shared). Each advances once per step."""
+    params = make_params()
+    reference_params = clone_params(params)
+    reference = torch.optim.AdamW(reference_params, fused=True)
+    step_together([reference], [reference_params], torch.Generator().manual_seed(25), 3)
+    saved = copy.deepcopy(reference.state_dict())
+    for entry in saved["state"].values():
+        entry["step"] = 3
+    for p, r in zip(params, reference_params, strict=True):
+        p.data.copy_(r)
+    opt = OffloadAdamW(params, **mode)
+    opt.load_state_dict(saved)
+    reference.load_state_dict(copy.deepcopy(saved))
+    step_together([opt, reference], [params, reference_params], torch.Generator(), 2)
+    assert_same(params, reference_params)
+    assert [float(opt.state[p]["step"]) for p in params] == [5.0] * len(params)
+
+
 def test_load_after_a_shape_change_takes_the_new_shape():
     """A parameter replaced by one of another shape (same size), then a checkpoint for the new
     shape loaded: the state is laid out anew, as torch's AdamW takes it."""
