@@ -691,6 +691,7 @@ class OffloadAdamW(torch.optim.AdamW):
         foreign: list[tuple[Tensor, int, int]] = []
         slots, states = self._host.slots, self.state
         listed: dict[int, tuple[int, int]] = {}
+        counts: set[int] = set()  # the entries' step counts met so far, by id
         for g, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
                 if listed.setdefault(id(param), (g, position)) != (g, position):
@@ -699,6 +700,7 @@ class OffloadAdamW(torch.optim.AdamW):
                         "(param groups edited by hand?); list each parameter once"
                     )
                 if param.grad is None:
+                    _count_of_its_own(states.get(param), counts)  # not advanced by another's
                     continue
                 check_gradient(param, g, position, unscales)
                 part = local(param)  # what this rank updates: itself, or a DTensor's shard
@@ -721,6 +723,7 @@ class OffloadAdamW(torch.optim.AdamW):
                     if not is_own_step(step):  # replaced (or deleted) by hand
                         where = f"'step' in optimizer.state for {describe(g, position)}"
                         state["step"] = checked_step(step, where)
+                    _count_of_its_own(state, counts)
                 found.append((param, part, g, slot, state["step"] if state else None))
         if foreign:
             self._adopt_state(foreign)
@@ -818,13 +821,7 @@ class OffloadAdamW(torch.optim.AdamW):
         devices = {a.param.device for a in active}
         if not any(stages(device) for device in devices):
             return steps
-        if len({id(step) for step in steps}) == len(steps):
-            stacked = torch.stack(steps).add_(1.0)
-        else:  # a count shared by entries (set so by hand) advances once for each, as on the host
-            own = {id(step): step.clone() for step in steps}
-            advanced = [own[id(step)] for step in steps]
-            torch._foreach_add_(advanced, torch.tensor(1.0, device="cpu"), alpha=1.0)
-            stacked = torch.stack(advanced)
+        stacked = torch.stack(steps).add_(1.0)
         if pin and any(device.type != "cpu" for device in devices):
             stacked = stacked.pin_memory()
         copies = {d: stacked.to(d, non_blocking=True).unbind() for d in devices}
@@ -1301,6 +1298,20 @@ def _views(
     return {
         key: like_param(param, lend(slot.layout.unflat(slot.view(key)))) for key in slot.arena.keys
     }
+
+
+def _count_of_its_own(entry: dict[str, Any] | None, counts: set[int]) -> None:
+    """Give ``entry`` a copy of its step count where an entry met before (whose count is in
+    ``counts``) holds the same tensor: one tensor written into several entries by hand (a
+    bias-correction reset) would be advanced once per parameter holding it. torch's AdamW does
+    advance it so, group by group (on CUDA its increment of a repeated tensor is a race), and
+    keeps it shared on loading only where it is float32 on the parameter's device."""
+    step = entry.get("step") if entry else None
+    if not isinstance(step, Tensor):
+        return
+    if id(step) in counts:
+        entry["step"] = step = step.clone()
+    counts.add(id(step))
 
 
 def _written_by_others(entry: dict[str, Any]) -> bool:

@@ -262,8 +262,7 @@ class LoadedEntry:
 
     ``local`` holds the entry's offloaded tensors as this rank's part of them, shaped like the
     parameter's local shard (the tensors themselves for plain parameters); ``step`` is the
-    entry's step count as a float32 scalar of its own (steps advance it in place), or shared
-    with the entries whose saved counts were one tensor.
+    entry's step count as a float32 scalar of its own (steps advance it in place).
     """
 
     param: Tensor
@@ -422,8 +421,6 @@ def match_loaded_state(
                 )
             owner[key] = (param, bool(saved.get("amsgrad", False)), describe(g, position))
     matched = []
-    # Entries saved sharing one step count (set so by hand) load sharing one, as torch's do.
-    steps: dict[int, Tensor] = {}
     for key, entry in saved_state.items():
         if key not in owner:
             if isinstance(entry, Mapping) and entry.keys() & PER_PARAM_KEYS:
@@ -433,8 +430,5 @@ def match_loaded_state(
         where = f"{where} (key {key!r})"
         if _empty_dict(entry):
             continue  # no state yet (torch's state is a defaultdict: reading it adds {})
-        loaded = check_entry(entry, param, amsgrad, where)
-        if isinstance(entry["step"], Tensor):
-            loaded.step = steps.setdefault(id(entry["step"]), loaded.step)
-        matched.append(loaded)
+        matched.append(check_entry(entry, param, amsgrad, where))
     return matched
