@@ -842,9 +842,13 @@ class OffloadAdamW(torch.optim.AdamW):
         their edits. Gradients are unscaled by ``grad_scales[device]`` where given (GradScaler),
         in place, as torch's fused kernel leaves them."""
         grad_scale = grad_scales.get(chunk.arena.device)
-        # Segments tile the chunk: each state view is cut into their pieces in one call.
-        sizes = [seg.stop - seg.start for seg in chunk.segments]
-        pieces = {key: view.split_with_sizes(sizes) for key, view in views.items()}
+        # Segments tile the chunk: each state view is cut into their pieces in one call (the
+        # fused kernel does not check that the tensors it pairs have the same sizes).
+        if len(chunk.segments) == 1:
+            pieces = {key: (view,) for key, view in views.items()}
+        else:
+            sizes = [seg.stop - seg.start for seg in chunk.segments]
+            pieces = {key: view.split_with_sizes(sizes) for key, view in views.items()}
         calls: dict[int, _KernelLists] = {}
         for position, seg in enumerate(chunk.segments):
             a = active[seg.index]
