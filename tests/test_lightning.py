@@ -761,8 +761,9 @@ def test_offload_overlap_blocks_reach_overlap_with():
 
 def test_an_offload_adamw_is_found_in_a_wrapper_keeping_it_as_optim_and_nothing_else():
     """The Lightning parts see an OffloadAdamW itself or inside a wrapper that keeps it as
-    ``optim`` (``ZeroRedundancyOptimizer``, ``PostLocalSGDOptimizer``); a wrapper of another
-    optimizer is not taken for one (the monitor would read its memory stats)."""
+    ``optim`` (``ZeroRedundancyOptimizer``, ``PostLocalSGDOptimizer``), also one around the
+    other; a wrapper of another optimizer is not taken for one (the monitor would read its
+    memory stats)."""
     from lightning_offload_optim.lightning.optimizers import offload_optimizers
 
     class Wrapper(torch.optim.Optimizer):
@@ -772,5 +773,5 @@ def test_an_offload_adamw_is_found_in_a_wrapper_keeping_it_as_optim_and_nothing_
 
     params = [torch.nn.Parameter(torch.ones(3))]
     offload, sgd = OffloadAdamW(params), torch.optim.SGD(params, lr=0.1)
-    found = offload_optimizers([sgd, Wrapper(sgd), Wrapper(offload), offload])
+    found = offload_optimizers([sgd, Wrapper(sgd), Wrapper(offload), Wrapper(Wrapper(offload))])
     assert [id(o) for o in found] == [id(offload), id(offload)]

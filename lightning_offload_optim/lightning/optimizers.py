@@ -8,21 +8,25 @@ import torch
 
 from lightning_offload_optim.adamw import OffloadAdamW
 
+#: How many wrappers deep an OffloadAdamW is looked for (and no cycle is followed for ever).
+_WRAPPERS_DEEP = 4
+
 
 def offload_adamw(optimizer: torch.optim.Optimizer) -> OffloadAdamW | None:
     """``optimizer`` itself if it is an OffloadAdamW, or the one it wraps as ``optim`` and
     steps in its own ``step()`` (``ZeroRedundancyOptimizer(optimizer_class=OffloadAdamW)``,
-    ``PostLocalSGDOptimizer``); else None.
+    ``PostLocalSGDOptimizer``, also one around the other); else None.
 
     Example:
         >>> import torch
         >>> offload_adamw(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])) is None
         True
     """
-    if isinstance(optimizer, OffloadAdamW):
-        return optimizer
-    inner = getattr(optimizer, "optim", None)
-    return inner if isinstance(inner, OffloadAdamW) else None
+    for _ in range(_WRAPPERS_DEEP):
+        if isinstance(optimizer, OffloadAdamW):
+            return optimizer
+        optimizer = getattr(optimizer, "optim", None)
+    return None
 
 
 def offload_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> list[OffloadAdamW]:
