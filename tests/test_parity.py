@@ -761,6 +761,28 @@ def test_low_precision_parameters_edited_between_steps_keep_the_edits(mode, edit
         assert_same([offload.offloaded_state(p)["master_param"]], [masters.masters[r]])
 
 
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_an_edited_parameter_of_a_later_group_in_a_shared_chunk_keeps_its_edit(mode):
+    """Parameters of two param groups in one chunk: the kernel call of the second group takes
+    the edit of its own edited parameter (not of the one at that place in the chunk)."""
+    params = make_params(dtype=torch.bfloat16)
+    reference = clone_params(params)
+
+    def groups(ps: list[torch.nn.Parameter]) -> list[dict]:
+        return [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-2, "weight_decay": 0.0}]
+
+    offload = OffloadAdamW(groups(params), lr=1e-2, **mode)
+    masters = MasterCopyAdamW(groups(reference), lr=1e-2)
+    generator = torch.Generator().manual_seed(12)
+    step_together([offload, masters], [params, reference], generator, 3)
+    with torch.no_grad():
+        for p in (params[3], reference[3]):
+            EDITS["load"](p)
+    masters.take_edits()
+    step_together([offload, masters], [params, reference], generator, 2)
+    assert_same(params, reference)
+
+
 def test_master_copies_are_compared_only_for_parameters_written_since_the_last_step(monkeypatch):
     """Edits are found by the parameters' version counters: a step after which nobody wrote a
     parameter runs no comparison (an extra kernel per parameter and step); one after an edit
