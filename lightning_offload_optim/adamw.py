@@ -364,13 +364,13 @@ class OffloadAdamW(torch.optim.AdamW):
         ``torch.optim.AdamW`` loading the state dict then uses it too. Its hyperparameters are
         checked here, as at every step: a group every step would refuse is refused now."""
         params = param_group.get("params") if isinstance(param_group, dict) else None
+        group = len(self.param_groups)
         if params is not None and self.enabled:
-            where = f"param group {len(self.param_groups)}"
+            where = f"param group {group}"
             check_hyperparameters(self.defaults | param_group, where)
             check_kernel_flags(
                 {k: v for k, v in param_group.items() if k in KERNEL_FLAGS_TAKEN}, where
             )
-        group = len(self.param_groups)
         if isinstance(params, Tensor) and self.enabled:
             refuse_fsdp1(params, f"parameter 0 of param group {group}")
         elif params is not None and not isinstance(params, (Tensor, set)):
@@ -858,7 +858,7 @@ class OffloadAdamW(torch.optim.AdamW):
             lists.add(a, seg.start, seg.stop, position)
             lists.steps.append(steps[seg.index])
             if seg.index in edited:
-                lists.edited.append(len(lists.state) - 1)
+                lists.edited.append(len(lists.positions) - 1)
         with_master = MASTER_KEY in chunk.arena.keys
         for g, lists in calls.items():
             h = hyper[g]
@@ -1359,7 +1359,7 @@ class _KernelLists:
     def __init__(self) -> None:
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
-        self.state: list[int] = []  # the segments' positions in the chunk
+        self.positions: list[int] = []  # the segments' positions in the chunk
         self.steps: list[Tensor] = []
         self.edited: list[int] = []  # positions in these lists of edited parameters' segments
 
@@ -1367,11 +1367,11 @@ class _KernelLists:
         whole = start == 0 and stop == a.slot.layout.numel  # no new view object needed
         self.params.append(a.flat_param if whole else a.flat_param[start:stop])
         self.grads.append(a.flat_grad if whole else a.flat_grad[start:stop])
-        self.state.append(position)
+        self.positions.append(position)
 
     def pieces(self, chunk_pieces: tuple[Tensor, ...]) -> list[Tensor]:
         """This call's pieces of one state key, from the chunk's pieces of it."""
-        return [chunk_pieces[i] for i in self.state]
+        return [chunk_pieces[i] for i in self.positions]
 
 
 def _unscaled_into_copied_grads(chunk: Chunk, active: list[_Active], left: dict[int, int]) -> None:
