@@ -7,10 +7,11 @@ parameters after their update, on the device (the host never blocks):
 - each module's forward pre-hook makes the current stream wait for the last update of the
   module's own parameters (so the first layers compute while later layers' state still
   streams); it runs before other pre-hooks, FSDP2's all-gather among them;
-- the root module's pre-hook also waits for optimized parameters that no module of the tree
-  owns (used functionally), and every module's ``state_dict`` pre-hook waits for all
-  (checkpoints, of the whole model or a part), as does every module's ``load_state_dict``
-  pre-hook (a load writes the parameters);
+- parameters that no hook reaches in the forward passes (owned by no module of the tree, or
+  read by a parent) are updated first, and the caller's stream waits for them as soon as the
+  step is queued; every module's ``state_dict`` pre-hook waits for all (checkpoints, of the
+  whole model or a part), as does every module's ``load_state_dict`` pre-hook (a load writes
+  the parameters);
 - the first gradient the next backward pass computes for any parameter of the module (or any
   stepped one) waits for all updates: the backward may write gradients the updates still
   read, and not only where a gradient was kept: ``DistributedDataParallel(

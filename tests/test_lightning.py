@@ -775,3 +775,8 @@ def test_an_offload_adamw_is_found_in_a_wrapper_keeping_it_as_optim_and_nothing_
     offload, sgd = OffloadAdamW(params), torch.optim.SGD(params, lr=0.1)
     found = offload_optimizers([sgd, Wrapper(sgd), Wrapper(offload), Wrapper(Wrapper(offload))])
     assert [id(o) for o in found] == [id(offload), id(offload)]
+    # Up to four wrappers deep, as the lookup says; not five (it follows no cycle for ever).
+    deep = offload
+    for depth in range(1, 6):
+        deep = Wrapper(deep)
+        assert offload_optimizers([deep]) == ([offload] if depth <= 4 else []), depth

@@ -22,7 +22,7 @@ def offload_adamw(optimizer: torch.optim.Optimizer) -> OffloadAdamW | None:
         >>> offload_adamw(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])) is None
         True
     """
-    for _ in range(_WRAPPERS_DEEP):
+    for _ in range(1 + _WRAPPERS_DEEP):  # the optimizer itself, then each wrapper's
         if isinstance(optimizer, OffloadAdamW):
             return optimizer
         optimizer = getattr(optimizer, "optim", None)
