@@ -33,7 +33,7 @@ from lightning_offload_optim.host_state import (
     Slot,
     state_keys,
 )
-from lightning_offload_optim.interrupts import keyboard_interrupts_held
+from lightning_offload_optim.interrupts import signals_held
 from lightning_offload_optim.overlap import ForwardOverlap
 from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
 from lightning_offload_optim.resident import (
@@ -487,8 +487,9 @@ class OffloadAdamW(torch.optim.AdamW):
             if left:
                 _unscaled_into_copied_grads(chunk, active, left)
 
-        # Everything is checked and allocated: from here on the update runs (a Ctrl-C waits).
-        with keyboard_interrupts_held():
+        # Everything is checked and allocated: from here on the update runs (a Ctrl-C or a
+        # scheduler's notice waits).
+        with signals_held():
             try:
                 if new_slots:
                     self._host.adopt(new_slots)
@@ -977,8 +978,8 @@ class OffloadAdamW(torch.optim.AdamW):
                 for group in state_dict["param_groups"]
             ],
         }
-        # Load hooks run here, around the whole load; a Ctrl-C waits for the load to end.
-        with keyboard_interrupts_held(), self._load_hooks_suspended():
+        # Load hooks run here, around the whole load; a Ctrl-C or a notice waits for it.
+        with signals_held(), self._load_hooks_suspended():
             self._write_state(
                 matched, replace=True, then=partial(super().load_state_dict, stripped)
             )
@@ -1051,7 +1052,7 @@ class OffloadAdamW(torch.optim.AdamW):
             slots = self._host.allocate(requests)
             _copy_all(self._loaded_copies(matched, slots))
             copies = []
-        with keyboard_interrupts_held():  # a Ctrl-C waits (load_state_dict holds it already)
+        with signals_held():  # signals wait (load_state_dict holds them already)
             then()  # torch's own load first: it may still refuse, and leaves the buffers alone
             try:
                 self._pipeline.host_written()  # resident state is reloaded from the host

@@ -1,10 +1,17 @@
-"""Ctrl-C during an update waits for the update to finish.
+"""Ctrl-C, and a scheduler's notice, during an update wait for the update to finish.
 
 A ``KeyboardInterrupt`` between two chunks would leave a step half applied, which cannot be
 undone cheaply: the optimizer would then refuse to be saved, and Lightning's graceful shutdown
 (``OnExceptionCheckpoint``) would save nothing. torch's fused AdamW is a single kernel call that
 Python cannot interrupt, so its state is always whole; holding SIGINT for the few hundred
 milliseconds an update takes gives this optimizer the same property.
+
+The same holds for the signals by which cluster schedulers announce a requeue or a preemption
+(:data:`NOTICE_SIGNALS`), whose Python handlers save checkpoints: Lightning's SLURM
+auto-requeue handler saves one from inside SIGUSR1's handler, and preemptible jobs commonly
+save on SIGTERM. Run between two chunks, such a handler would save the step counts of the new
+step beside moments and weights of the old one, silently, and the requeued job would resume
+from that mix.
 """
 
 from __future__ import annotations
@@ -20,6 +27,15 @@ from typing import Any
 #: A second SIGINT this soon after the first is the same Ctrl-C, sent twice (launchers such as
 #: ``pixi run`` forward the terminal's signal to a child that received it too).
 SAME_PRESS_SECONDS = 0.5
+
+#: Held during updates where a Python handler takes them (not where they end the process at
+#: once, as by default: nothing is saved then). SLURM's ``--signal`` and Lightning's
+#: ``SLURMEnvironment(requeue_signal=...)`` may name any of them.
+NOTICE_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+    if hasattr(signal, name)
+)
 
 
 def deliver_sigint(handler: Any) -> None:
@@ -37,7 +53,7 @@ class SigintHold:
     """Holds SIGINT from :meth:`start` to :meth:`end`, which delivers it to the handler it was
     meant for.
 
-    Inside it, updates (:func:`keyboard_interrupts_held`) run whole: a second SIGINT,
+    Inside it, updates (:func:`signals_held`) run whole: a second SIGINT,
     :data:`SAME_PRESS_SECONDS` or more after the first (the user insists), is delivered as soon
     as no update runs. Nothing is held outside the main thread (only it receives signals in
     Python), where SIGINT is handled outside Python, or while another hold holds it; an ignored
@@ -120,12 +136,14 @@ class SigintHold:
 
 
 @contextlib.contextmanager
-def keyboard_interrupts_held() -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """Run an update whole: SIGINT waits for the block's end, inside the hold holding it now
-    (:class:`SigintHold`) or a hold of the block's own, which raises a held one at the end.
+    (:class:`SigintHold`) or a hold of the block's own, which raises a held one at the end;
+    the :data:`NOTICE_SIGNALS` handled in Python wait too, and their handlers run when the
+    block ends (before a held Ctrl-C of the block's own is raised).
 
     Example:
-        >>> with keyboard_interrupts_held():
+        >>> with signals_held():
         ...     pass  # a Ctrl-C here is raised when the block ends
     """
     if threading.current_thread() is not threading.main_thread():
@@ -138,10 +156,43 @@ def keyboard_interrupts_held() -> Iterator[None]:
         hold.start()
     hold.updating += 1
     try:
-        yield
+        with _notices_held():
+            yield
     finally:
         hold.updating -= 1
         if own:
             hold.end()
         else:
             hold.update_ended()
+
+
+@contextlib.contextmanager
+def _notices_held() -> Iterator[None]:
+    """Hold the :data:`NOTICE_SIGNALS` that have Python handlers until the block ends, then
+    call each handler once for each of its signals that arrived (the system, too, keeps one
+    pending signal per kind), in the order they arrived. A handler something else installed
+    meanwhile keeps its signal, and nothing is delivered to the one it replaced. Nested, the
+    inner block's handlers are the outer block's, which hold on."""
+    arrived: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        if signum not in arrived:
+            arrived.append(signum)
+
+    meant_for: dict[int, Callable[[int, Any], Any]] = {}
+    for signum in NOTICE_SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            meant_for[signum] = handler
+            signal.signal(signum, note)
+    try:
+        yield
+    finally:
+        given_back = []
+        for signum, handler in meant_for.items():
+            if signal.getsignal(signum) is note:
+                signal.signal(signum, handler)
+                given_back.append(signum)
+        for signum in arrived:
+            if signum in given_back:
+                meant_for[signum](signum, sys._getframe(0))

@@ -1,6 +1,7 @@
 """Ctrl-C (a real SIGINT) while the optimizer updates: the update finishes, then the
 ``KeyboardInterrupt`` is raised, so the state is whole and can be saved, as torch's fused AdamW
-(one kernel call, which Python cannot interrupt) always leaves it."""
+(one kernel call, which Python cannot interrupt) always leaves it. A scheduler's notice
+(SIGUSR1, SIGTERM), whose handler saves a checkpoint, likewise runs when the update ends."""
 
 from __future__ import annotations
 
@@ -31,27 +32,35 @@ from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadAdamW, OffloadMonitor, interrupts
 from lightning_offload_optim import adamw as adamw_module
-from lightning_offload_optim.interrupts import keyboard_interrupts_held
+from lightning_offload_optim.interrupts import signals_held
 from lightning_offload_optim.lightning.batch_interrupt import hold_ctrl_c_until_batch_end
 
 
 @pytest.fixture(autouse=True)
 def default_sigint():
     """Each test starts with Python's own handler and gets it back (Lightning's shutdown
-    ignores SIGINT for good)."""
+    ignores SIGINT for good), and gets back the notice signals' handlers."""
+    notices = {signum: signal.getsignal(signum) for signum in interrupts.NOTICE_SIGNALS}
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+    for signum, handler in notices.items():
+        signal.signal(signum, handler)
 
 
-def sigint_on_call(monkeypatch, target, name: str, numbers: set[int]) -> list[int]:
-    """Send this process SIGINT inside the calls of ``target.name`` numbered ``numbers``."""
+NOTICES = [signal.SIGTERM, signal.SIGUSR1]
+
+
+def signal_on_call(
+    monkeypatch, target, name: str, numbers: set[int], signum: int = signal.SIGINT
+) -> list[int]:
+    """Send this process ``signum`` inside the calls of ``target.name`` numbered ``numbers``."""
     real, calls = getattr(target, name), []
 
     def wrapper(*args, **kwargs):
         calls.append(1)
         if len(calls) in numbers:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signum)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(target, name, wrapper)
@@ -99,7 +108,7 @@ def test_ctrl_c_during_the_update_is_raised_after_it(monkeypatch, overlap):
     train_alike(pairs, inputs[:2])
     for forward, _ in pairs:
         forward(inputs[2]).backward()
-    calls = sigint_on_call(monkeypatch, adamw_module, "adamw_update", {2})
+    calls = signal_on_call(monkeypatch, adamw_module, "adamw_update", {2})
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     assert len(calls) > 2  # the chunks after the interrupt were updated too
@@ -128,7 +137,7 @@ def test_a_second_ctrl_c_still_waits_for_the_update(monkeypatch, later):
     params = make_params()
     opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
     step_together([opt], [params], torch.Generator().manual_seed(0), 1)
-    calls = sigint_on_call(monkeypatch, adamw_module, "adamw_update", {2, 3})
+    calls = signal_on_call(monkeypatch, adamw_module, "adamw_update", {2, 3})
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     assert len(calls) > 3
@@ -160,7 +169,7 @@ def test_ctrl_c_during_a_load_is_raised_after_it(monkeypatch):
     reference = clone_params(params)
     torch_opt = torch.optim.AdamW(reference, fused=True)
     torch_opt.load_state_dict(copy.deepcopy(saved))
-    calls = sigint_on_call(monkeypatch, torch.Tensor, "copy_", {2})  # in-place writes
+    calls = signal_on_call(monkeypatch, torch.Tensor, "copy_", {2})  # in-place writes
     with pytest.raises(KeyboardInterrupt):
         opt.load_state_dict(saved)
     assert len(calls) > 2
@@ -181,7 +190,7 @@ def test_ctrl_c_while_state_written_into_optimizer_state_is_adopted(monkeypatch)
         opt.state[param] = {k: v.clone() for k, v in saved["state"][index].items()}
     weights = clone_params(params)
     set_grads([params, reference], generator)
-    calls = sigint_on_call(monkeypatch, torch.Tensor, "copy_", {2})
+    calls = signal_on_call(monkeypatch, torch.Tensor, "copy_", {2})
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     assert len(calls) > 2
@@ -196,8 +205,8 @@ def test_a_held_ctrl_c_reaches_the_handler_it_was_meant_for_once(monkeypatch):
     handler = lambda signum, frame: received.append(signum)  # noqa: E731
     received = []
     signal.signal(signal.SIGINT, handler)
-    with keyboard_interrupts_held():
-        with keyboard_interrupts_held():  # nested: the outer block holds
+    with signals_held():
+        with signals_held():  # nested: the outer block holds
             signal.raise_signal(signal.SIGINT)
         assert received == []
     assert received == [signal.SIGINT]
@@ -210,7 +219,7 @@ def test_a_hold_delivers_an_insisting_ctrl_c_as_soon_as_no_update_runs(monkeypat
     monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
     hold, received = started_hold_over_a_recorder()
     signal.raise_signal(signal.SIGINT)
-    with keyboard_interrupts_held():  # an update inside the hold
+    with signals_held():  # an update inside the hold
         signal.raise_signal(signal.SIGINT)
         assert received == []
     assert received == [signal.SIGINT]  # once, when the update ended
@@ -252,7 +261,7 @@ def test_an_update_in_another_thread_leaves_the_main_threads_hold_alone(monkeypa
 
     def update_elsewhere() -> None:
         try:
-            with keyboard_interrupts_held():
+            with signals_held():
                 signal.raise_signal(signal.SIGINT)  # reaches the main thread's hold
                 until(lambda: hold.arrived)
                 signal.raise_signal(signal.SIGINT)  # the user insists: no main-thread update
@@ -288,7 +297,7 @@ def test_an_update_under_an_ended_hold_installed_again_still_runs_whole():
     hold.end()
     signal.signal(signal.SIGINT, saved)
     inside = []
-    with pytest.raises(KeyboardInterrupt), keyboard_interrupts_held():
+    with pytest.raises(KeyboardInterrupt), signals_held():
         signal.raise_signal(signal.SIGINT)
         inside.append("update finished")
     assert inside == ["update finished"]
@@ -339,8 +348,8 @@ def test_an_insisting_press_waits_for_the_outermost_update(monkeypatch):
     monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
     _, received = started_hold_over_a_recorder()
     signal.raise_signal(signal.SIGINT)
-    with keyboard_interrupts_held():
-        with keyboard_interrupts_held():
+    with signals_held():
+        with signals_held():
             signal.raise_signal(signal.SIGINT)  # the user insists
         assert received == []  # the outer update still runs
     assert received == [signal.SIGINT]
@@ -381,7 +390,7 @@ def test_a_hold_whose_owner_stopped_delivers_at_once():
     assert signal.getsignal(signal.SIGINT) is handler
     # Nor does it take over an update: that update holds a Ctrl-C itself, to its end.
     interrupts.SigintHold(alive=lambda: running[0]).start()
-    with keyboard_interrupts_held():
+    with signals_held():
         signal.raise_signal(signal.SIGINT)
         assert received == [signal.SIGINT]
     assert received == [signal.SIGINT] * 2
@@ -397,7 +406,7 @@ def test_an_event_loop_hears_of_a_held_ctrl_c_once():
     signal.signal(signal.SIGINT, lambda signum, frame: None)
     previous = signal.set_wakeup_fd(write)
     try:
-        with keyboard_interrupts_held():
+        with signals_held():
             signal.raise_signal(signal.SIGINT)
     finally:
         signal.set_wakeup_fd(previous)
@@ -408,12 +417,12 @@ def test_an_event_loop_hears_of_a_held_ctrl_c_once():
 
 def test_nothing_is_held_where_ctrl_c_is_ignored_or_outside_the_main_thread():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with keyboard_interrupts_held():
+    with signals_held():
         signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
     def update() -> None:
-        with keyboard_interrupts_held():  # signal.signal would raise ValueError here
+        with signals_held():  # signal.signal would raise ValueError here
             pass
 
     assert errors_in_another_thread(update) == []
@@ -436,7 +445,7 @@ class CtrlC(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.where == "step" and not self.sent and trainer.global_step == self.at:
             self.sent = True
-            sigint_on_call(self.monkeypatch, adamw_module, "adamw_update", {2})
+            signal_on_call(self.monkeypatch, adamw_module, "adamw_update", {2})
             if self.twice:
                 hook = optimizer.register_step_post_hook(lambda *args: hook.remove() or self.send())
 
@@ -688,7 +697,7 @@ class PressThenFail(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step == 1 and not self.failed:
-            sigint_on_call(self.monkeypatch, adamw_module, "adamw_update", {2})
+            signal_on_call(self.monkeypatch, adamw_module, "adamw_update", {2})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == 2 and not self.failed:
@@ -809,3 +818,116 @@ def test_ctrl_c_is_held_for_an_offload_adamw_inside_a_zero_redundancy_optimizer(
     finally:
         dist.destroy_process_group()
     assert model.held == [True, True, True]
+
+
+@pytest.mark.parametrize("signum", NOTICES, ids=lambda n: signal.Signals(n).name)
+def test_a_notice_handler_saving_during_the_update_saves_the_whole_step(monkeypatch, signum):
+    """A scheduler's requeue or preemption notice arriving between two chunks: its handler
+    (Lightning's SLURM auto-requeue handler saves a checkpoint from inside it) runs once, when
+    the update ends, and saves the whole step, as torch's fused AdamW (one kernel call) always
+    leaves it; run between the chunks, it saved the new step counts beside old moments."""
+    params = make_params()
+    reference = clone_params(params)
+    opt = OffloadAdamW(params, force_staging=True, chunk_size=64)
+    torch_opt = torch.optim.AdamW(reference, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    step_together([opt, torch_opt], [params, reference], generator, 1)
+    saved = []
+
+    def save(number, frame):
+        saved.append((number, copy.deepcopy(opt.state_dict()), clone_params(params)))
+
+    signal.signal(signum, save)
+    calls = signal_on_call(monkeypatch, adamw_module, "adamw_update", {2}, signum)
+    step_together([opt, torch_opt], [params, reference], generator, 1)
+    assert len(calls) > 2  # the notice came between chunks
+    assert signal.getsignal(signum) is save
+    assert [number for number, *_ in saved] == [signum]
+    _, state, weights = saved[0]
+    assert_same(weights, reference)
+    for index, entry in torch_opt.state_dict()["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state["state"][index][key], entry[key]), (index, key)
+
+
+def test_a_notice_during_a_load_sees_the_loaded_state_whole(monkeypatch):
+    params, opt, generator, saved = staged_after_two_steps()
+    step_together([opt], [params], generator, 1)  # the state now differs from ``saved``
+    seen = []
+    signal.signal(signal.SIGUSR1, lambda n, f: seen.append(copy.deepcopy(opt.state_dict())))
+    calls = signal_on_call(monkeypatch, torch.Tensor, "copy_", {2}, signal.SIGUSR1)
+    opt.load_state_dict(saved)
+    assert len(calls) > 2
+    assert len(seen) == 1
+    for index, entry in saved["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(seen[0]["state"][index][key], entry[key]), (index, key)
+
+
+def test_notices_reach_their_handlers_once_each_in_order_after_the_outer_update():
+    received = []
+    for signum in NOTICES:
+        signal.signal(signum, lambda number, frame: received.append(number))
+    with signals_held():
+        with signals_held():  # nested: the outer block holds
+            signal.raise_signal(signal.SIGUSR1)
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGUSR1)  # pending already: once, as the system keeps it
+        assert received == []
+    assert received == [signal.SIGUSR1, signal.SIGTERM]
+
+
+def test_a_notice_handler_installed_during_an_update_takes_its_signal_at_once():
+    """Nothing is held for, or given back to, a handler that another took over meanwhile; a
+    signal left to its default action (ending the process) is not taken over at all."""
+    first, second = [], []
+    signal.signal(signal.SIGUSR1, lambda number, frame: first.append(number))
+    signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    replacement = lambda number, frame: second.append(number)  # noqa: E731
+    with signals_held():
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+        signal.raise_signal(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, replacement)
+        signal.raise_signal(signal.SIGUSR1)
+        assert second == [signal.SIGUSR1]
+    assert first == [] and second == [signal.SIGUSR1]
+    assert signal.getsignal(signal.SIGUSR1) is replacement
+
+
+def test_slurm_auto_requeue_saves_a_whole_step_when_its_notice_comes_mid_update(
+    monkeypatch, tmp_path
+):
+    """Lightning's SLURM auto-requeue handler saves the checkpoint the requeued job resumes
+    from, from inside SIGUSR1's handler: with the notice between two chunks of the third step,
+    the checkpoint holds that step whole, weights and state, as with torch's fused AdamW."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    slurm = {"NTASKS": "1", "JOB_ID": "7", "JOB_NAME": "train", "PROCID": "0", "LOCALID": "0"}
+    for name, value in {**slurm, "NODEID": "0"}.items():
+        monkeypatch.setenv(f"SLURM_{name}", value)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol: the requeue itself fails, logged
+    updates = []
+
+    class NoticeInTheThirdStep(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 2:
+                updates.append(
+                    signal_on_call(monkeypatch, adamw_module, "adamw_update", {2}, signal.SIGUSR1)
+                )
+
+    model = TinyModel(force_staging=True)
+    callbacks = [NoticeInTheThirdStep()]
+    trainer(tmp_path, max_steps=4, plugins=[SLURMEnvironment()], callbacks=callbacks).fit(model)
+    assert len(updates[0]) > 2  # the notice came between chunks
+    checkpoint = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
+    reference = TinyModel("torch")
+    trainer(tmp_path / "reference", max_steps=3).fit(reference)
+    expected = reference.trainer.optimizers[0].state_dict()
+    saved = checkpoint["optimizer_states"][0]
+    order = [i for group in saved["param_groups"] for i in group["params"]]
+    expected_order = [i for group in expected["param_groups"] for i in group["params"]]
+    for ours, theirs in zip(order, expected_order, strict=True):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(saved["state"][ours][key], expected["state"][theirs][key])
+    for name, weight in reference.state_dict().items():
+        assert torch.equal(checkpoint["state_dict"][name], weight), name
