@@ -139,8 +139,9 @@ class SigintHold:
 def signals_held() -> Iterator[None]:
     """Run an update whole: SIGINT waits for the block's end, inside the hold holding it now
     (:class:`SigintHold`) or a hold of the block's own, which raises a held one at the end;
-    the :data:`NOTICE_SIGNALS` handled in Python wait too, and their handlers run when the
-    block ends (before a held Ctrl-C of the block's own is raised).
+    the :data:`NOTICE_SIGNALS` handled in Python wait too (:class:`NoticeHold`), and their
+    handlers run when the block ends, before a held Ctrl-C of the block's own is raised (an
+    insisting one is raised at once: the update is over).
 
     Example:
         >>> with signals_held():
@@ -154,45 +155,75 @@ def signals_held() -> Iterator[None]:
     if hold is None:
         hold = SigintHold()
         hold.start()
+    notices = NoticeHold()
+    notices.start()
     hold.updating += 1
-    try:
-        with _notices_held():
-            yield
-    finally:
-        hold.updating -= 1
-        if own:
-            hold.end()
-        else:
-            hold.update_ended()
-
-
-@contextlib.contextmanager
-def _notices_held() -> Iterator[None]:
-    """Hold the :data:`NOTICE_SIGNALS` that have Python handlers until the block ends, then
-    call each handler once for each of its signals that arrived (the system, too, keeps one
-    pending signal per kind), in the order they arrived. A handler something else installed
-    meanwhile keeps its signal, and nothing is delivered to the one it replaced. Nested, the
-    inner block's handlers are the outer block's, which hold on."""
-    arrived: list[int] = []
-
-    def note(signum: int, frame: Any) -> None:
-        if signum not in arrived:
-            arrived.append(signum)
-
-    meant_for: dict[int, Callable[[int, Any], Any]] = {}
-    for signum in NOTICE_SIGNALS:
-        handler = signal.getsignal(signum)
-        if callable(handler):
-            meant_for[signum] = handler
-            signal.signal(signum, note)
     try:
         yield
     finally:
+        hold.updating -= 1
+        try:
+            notices.end()
+        finally:
+            if own:
+                hold.end()
+            else:
+                hold.update_ended()
+
+
+class NoticeHold:
+    """Holds the :data:`NOTICE_SIGNALS` that have Python handlers from :meth:`start` to
+    :meth:`end`, which calls each handler once for each of its signals that arrived (the system,
+    too, keeps one pending signal of a kind), in the order they arrived, every one of them even
+    if one raises.
+
+    A handler something else installed meanwhile keeps its signal, and nothing is delivered to
+    the one it replaced unless that one was given back (Lightning restores the handlers it saved
+    when a run ends). ``alive`` says whether the hold's owner still runs: a hold whose end never
+    came passes signals on, as does an ended hold installed again (a saved handler restored).
+    Holds nest: the inner hold's handlers are the outer's, which hold on.
+    """
+
+    def __init__(self, alive: Callable[[], bool] = lambda: True) -> None:
+        self._alive = alive
+        self._holding = False
+        self._meant_for: dict[int, Callable[[int, Any], Any]] = {}
+        self._arrived: list[int] = []
+
+    def start(self) -> None:
+        self._holding = True
+        for signum in NOTICE_SIGNALS:
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                self._meant_for[signum] = handler
+                signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if signum not in self._arrived:
+            self._arrived.append(signum)
+        if not self._holding or not self._alive():
+            self.end()
+
+    def end(self, deliver: bool = True) -> None:
+        """Give every held signal back to its handler and deliver those that arrived (unless
+        ``deliver`` is false: they were for something that is over)."""
+        self._holding = False
         given_back = []
-        for signum, handler in meant_for.items():
-            if signal.getsignal(signum) is note:
+        for signum, handler in self._meant_for.items():
+            if signal.getsignal(signum) == self._note:  # bound methods: equal, not identical
                 signal.signal(signum, handler)
+            if signal.getsignal(signum) == handler:
                 given_back.append(signum)
-        for signum in arrived:
-            if signum in given_back:
-                meant_for[signum](signum, sys._getframe(0))
+        arrived, self._arrived = self._arrived, []
+        if deliver:
+            _call_each([(self._meant_for[s], s) for s in arrived if s in given_back])
+
+
+def _call_each(calls: list[tuple[Callable[[int, Any], Any], int]]) -> None:
+    """Call each ``(handler, signum)``, all of them even if one raises (the last error wins)."""
+    if calls:
+        (handler, signum), rest = calls[0], calls[1:]
+        try:
+            handler(signum, sys._getframe(1))
+        finally:
+            _call_each(rest)

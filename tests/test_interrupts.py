@@ -10,6 +10,7 @@ import copy
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 
@@ -33,7 +34,7 @@ from torch.utils.data import DataLoader
 from lightning_offload_optim import OffloadAdamW, OffloadMonitor, interrupts
 from lightning_offload_optim import adamw as adamw_module
 from lightning_offload_optim.interrupts import signals_held
-from lightning_offload_optim.lightning.batch_interrupt import hold_ctrl_c_until_batch_end
+from lightning_offload_optim.lightning.batch_interrupt import hold_signals_until_batch_end
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +49,8 @@ def default_sigint():
         signal.signal(signum, handler)
 
 
-NOTICES = [signal.SIGTERM, signal.SIGUSR1]
+SIGUSR1 = signal.SIGUSR1
+NOTICES = [signal.SIGTERM, SIGUSR1]
 
 
 def signal_on_call(
@@ -284,7 +286,7 @@ def test_a_trainer_stepping_in_another_thread_leaves_a_stale_hold_to_the_main_th
     stale.start()
     optimizer = OffloadAdamW(make_params())
     trainer = Callback()  # any weakly referable object
-    assert errors_in_another_thread(lambda: hold_ctrl_c_until_batch_end(trainer, optimizer)) == []
+    assert errors_in_another_thread(lambda: hold_signals_until_batch_end(trainer, optimizer)) == []
     assert stale.holding  # left to the main thread
 
 
@@ -429,23 +431,26 @@ def test_nothing_is_held_where_ctrl_c_is_ignored_or_outside_the_main_thread():
 
 
 class CtrlC(Callback):
-    """Ctrl-C in the second chunk update of the step that follows ``at`` steps ("step"; with
-    ``twice`` sent again right after that update, as launchers that forward the terminal's
-    signal do), or in the callbacks' hook at the end of the batch of that step ("batch end") or
-    at the start of the next batch ("next batch start")."""
+    """Ctrl-C (or ``signum``) in the second chunk update of the step that follows ``at`` steps
+    ("step"; with ``twice`` sent again right after that update, as launchers that forward the
+    terminal's signal do), or in the callbacks' hook at the end of the batch of that step
+    ("batch end") or at the start of the next batch ("next batch start")."""
 
-    def __init__(self, monkeypatch, at: int, where: str, twice: bool = False) -> None:
+    def __init__(
+        self, monkeypatch, at: int, where: str, twice: bool = False, signum: int = signal.SIGINT
+    ) -> None:
         self.monkeypatch, self.at, self.where, self.twice = monkeypatch, at, where, twice
+        self.signum = signum
         self.sent = False
 
     def send(self) -> None:
         self.sent = True
-        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(self.signum)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.where == "step" and not self.sent and trainer.global_step == self.at:
             self.sent = True
-            signal_on_call(self.monkeypatch, adamw_module, "adamw_update", {2})
+            signal_on_call(self.monkeypatch, adamw_module, "adamw_update", {2}, self.signum)
             if self.twice:
                 hook = optimizer.register_step_post_hook(lambda *args: hook.remove() or self.send())
 
@@ -688,16 +693,16 @@ def test_a_held_ctrl_c_is_raised_before_validation_after_the_batch(tmp_path, mon
 
 
 class PressThenFail(Callback):
-    """A Ctrl-C in the step of the second batch, then an unrelated error in this callback's
-    ``on_train_batch_end``, before any hook that ends the hold."""
+    """A Ctrl-C (or ``signum``) in the step of the second batch, then an unrelated error in this
+    callback's ``on_train_batch_end``, before any hook that ends the hold."""
 
-    def __init__(self, monkeypatch) -> None:
-        self.monkeypatch = monkeypatch
+    def __init__(self, monkeypatch, signum: int = signal.SIGINT) -> None:
+        self.monkeypatch, self.signum = monkeypatch, signum
         self.failed = False
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step == 1 and not self.failed:
-            signal_on_call(self.monkeypatch, adamw_module, "adamw_update", {2})
+            signal_on_call(self.monkeypatch, adamw_module, "adamw_update", {2}, self.signum)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == 2 and not self.failed:
@@ -724,6 +729,24 @@ def test_a_press_held_in_a_fit_that_failed_does_not_stop_the_next_run(tmp_path, 
     fit.fit(model)  # the rest of the steps
     assert fit.global_step == 6
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_notice_held_in_a_fit_that_failed_is_dropped_and_the_next_fit_holds_its_own(
+    tmp_path, monkeypatch
+):
+    """The notice was for the failed fit (Lightning gave the handlers back as it failed); the
+    next ``fit`` of the same trainer holds a notice of its own to that batch's end again."""
+    delivered = []
+    signal.signal(SIGUSR1, lambda number, frame: delivered.append(fit.global_step))
+    model = TinyModel(force_staging=True)
+    fit = trainer(tmp_path, callbacks=[PressThenFail(monkeypatch, SIGUSR1)])
+    with pytest.raises(RuntimeError, match="unrelated failure"):
+        fit.fit(model)
+    monkeypatch.undo()
+    assert delivered == []
+    fit.callbacks.append(CtrlC(monkeypatch, 3, "step", signum=SIGUSR1))
+    fit.fit(model)
+    assert delivered == [4]  # the fourth step counted
 
 
 class FaultInStep(Callback):
@@ -864,28 +887,74 @@ def test_a_notice_during_a_load_sees_the_loaded_state_whole(monkeypatch):
             assert torch.equal(seen[0]["state"][index][key], entry[key]), (index, key)
 
 
-def test_notices_reach_their_handlers_once_each_in_order_after_the_outer_update():
-    received = []
+def recorders(received: list) -> None:
+    """Each notice signal's handler appends what it receives to ``received``."""
     for signum in NOTICES:
         signal.signal(signum, lambda number, frame: received.append(number))
+
+
+def test_notices_reach_their_handlers_once_each_in_order_after_the_outer_update():
+    received = []
+    recorders(received)
     with signals_held():
         with signals_held():  # nested: the outer block holds
-            signal.raise_signal(signal.SIGUSR1)
             signal.raise_signal(signal.SIGTERM)
-            signal.raise_signal(signal.SIGUSR1)  # pending already: once, as the system keeps it
+            signal.raise_signal(signal.SIGUSR1)
+            signal.raise_signal(signal.SIGTERM)  # pending already: once, as the system keeps it
         assert received == []
-    assert received == [signal.SIGUSR1, signal.SIGTERM]
+    assert received == [signal.SIGTERM, signal.SIGUSR1]  # as they came, not by number
+
+
+def test_notices_are_given_back_and_delivered_after_a_failed_update_each_despite_the_others():
+    """An update that raises still gives the signals back and delivers what it held; a handler
+    that raises (a SIGTERM handler ending the process after saving) does not stop the rest."""
+    received = []
+    recorders(received)
+    exiting = lambda number, frame: sys.exit(3)  # noqa: E731
+    signal.signal(signal.SIGTERM, exiting)
+    with pytest.raises(SystemExit), signals_held():
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGUSR1)
+        raise RuntimeError("the update failed")
+    assert received == [signal.SIGUSR1]
+    assert signal.getsignal(signal.SIGTERM) is exiting
+    signal.raise_signal(signal.SIGUSR1)
+    assert received == [signal.SIGUSR1] * 2  # at once: nothing holds it any more
+
+
+def test_a_notice_runs_before_a_held_ctrl_c_and_an_insisting_press_stops_its_handler(
+    monkeypatch,
+):
+    """The notice's handler (a checkpoint save) runs once the update ended, with its signal
+    given back, before the Ctrl-C held during the update is raised; a second press inside that
+    handler is raised there, as the update it waited for is over."""
+    monkeypatch.setattr(interrupts, "SAME_PRESS_SECONDS", 0.0)
+    seen = []
+
+    def saving(number, frame):
+        seen.append(signal.getsignal(number) is saving)
+        signal.raise_signal(signal.SIGINT)  # the user insists
+        seen.append("saved")
+
+    signal.signal(signal.SIGUSR1, saving)
+    with pytest.raises(KeyboardInterrupt), signals_held():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGUSR1)
+    assert seen == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_notice_handler_installed_during_an_update_takes_its_signal_at_once():
     """Nothing is held for, or given back to, a handler that another took over meanwhile; a
-    signal left to its default action (ending the process) is not taken over at all."""
+    signal left to its default action (ending the process) or ignored is not taken over."""
     first, second = [], []
     signal.signal(signal.SIGUSR1, lambda number, frame: first.append(number))
     signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     replacement = lambda number, frame: second.append(number)  # noqa: E731
     with signals_held():
         assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
         signal.raise_signal(signal.SIGUSR1)
         signal.signal(signal.SIGUSR1, replacement)
         signal.raise_signal(signal.SIGUSR1)
@@ -894,40 +963,66 @@ def test_a_notice_handler_installed_during_an_update_takes_its_signal_at_once():
     assert signal.getsignal(signal.SIGUSR1) is replacement
 
 
-def test_slurm_auto_requeue_saves_a_whole_step_when_its_notice_comes_mid_update(
-    monkeypatch, tmp_path
+def test_an_ended_notice_hold_installed_again_passes_signals_on():
+    """Something that saved the hold's handler and restores it after the hold ended (as
+    Lightning restores the handlers it saved) does not swallow the signal for good."""
+    received = []
+    recorders(received)
+    hold = interrupts.NoticeHold()
+    hold.start()
+    saved = signal.getsignal(signal.SIGUSR1)
+    hold.end()
+    signal.signal(signal.SIGUSR1, saved)
+    signal.raise_signal(signal.SIGUSR1)
+    assert received == [signal.SIGUSR1]
+    assert signal.getsignal(signal.SIGUSR1) is not saved  # the recorder, given back
+
+
+@pytest.mark.parametrize(
+    ("model", "torch_at"),
+    [
+        (TinyModel, "batch end"),
+        (TwoStepsPerBatch, "batch end"),
+        (WithoutMixin, "next batch start"),
+    ],
+    ids=["mixin", "two-steps-per-batch", "monitor-without-mixin"],
+)
+def test_slurm_auto_requeue_during_a_step_saves_and_resumes_as_torch_adamw(
+    monkeypatch, tmp_path, model, torch_at
 ):
     """Lightning's SLURM auto-requeue handler saves the checkpoint the requeued job resumes
-    from, from inside SIGUSR1's handler: with the notice between two chunks of the third step,
-    the checkpoint holds that step whole, weights and state, as with torch's fused AdamW."""
+    from, from inside SIGUSR1's handler. With the notice between two chunks of the third
+    batch's first step, the handler runs after Lightning counted the batch's steps (at its end;
+    with the monitor alone, at the next batch's start): the checkpoint equals, loops included,
+    torch AdamW's for a notice there, and resumes the same. Run between the chunks, it saved
+    the new step counts beside old moments; at the step's end, a step its counters do not
+    count."""
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     slurm = {"NTASKS": "1", "JOB_ID": "7", "JOB_NAME": "train", "PROCID": "0", "LOCALID": "0"}
     for name, value in {**slurm, "NODEID": "0"}.items():
         monkeypatch.setenv(f"SLURM_{name}", value)
     monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol: the requeue itself fails, logged
-    updates = []
-
-    class NoticeInTheThirdStep(Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if trainer.global_step == 2:
-                updates.append(
-                    signal_on_call(monkeypatch, adamw_module, "adamw_update", {2}, signal.SIGUSR1)
-                )
-
-    model = TinyModel(force_staging=True)
-    callbacks = [NoticeInTheThirdStep()]
-    trainer(tmp_path, max_steps=4, plugins=[SLURMEnvironment()], callbacks=callbacks).fit(model)
-    assert len(updates[0]) > 2  # the notice came between chunks
-    checkpoint = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
-    reference = TinyModel("torch")
-    trainer(tmp_path / "reference", max_steps=3).fit(reference)
-    expected = reference.trainer.optimizers[0].state_dict()
-    saved = checkpoint["optimizer_states"][0]
-    order = [i for group in saved["param_groups"] for i in group["params"]]
-    expected_order = [i for group in expected["param_groups"] for i in group["params"]]
-    for ours, theirs in zip(order, expected_order, strict=True):
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(saved["state"][ours][key], expected["state"][theirs][key])
-    for name, weight in reference.state_dict().items():
-        assert torch.equal(checkpoint["state_dict"][name], weight), name
+    at = 2 * steps_per_batch(model)
+    runs = {
+        "offload": (model, {"force_staging": True}, "step"),
+        "torch": (TinyModel if model is WithoutMixin else model, {"optimizer": "torch"}, torch_at),
+    }
+    saved, resumed = {}, {}
+    for name, (module, kwargs, where) in runs.items():
+        root = tmp_path / name
+        monitor = [OffloadMonitor(summary=False)] if module is WithoutMixin else []
+        with pytest.MonkeyPatch.context() as patch:
+            notice = CtrlC(patch, at, where, signum=SIGUSR1)
+            steps = 4 * steps_per_batch(model)
+            slurm = [SLURMEnvironment()]
+            fit = trainer(root, max_steps=steps, plugins=slurm, callbacks=[notice, *monitor])
+            fit.fit(module(**kwargs))
+        assert notice.sent
+        saved[name] = torch.load(root / "hpc_ckpt_1.ckpt", weights_only=False)
+        resumed[name] = module(**kwargs)
+        resume = trainer(root / "resumed", max_steps=6 * steps_per_batch(model), callbacks=monitor)
+        resume.fit(resumed[name], ckpt_path=root / "hpc_ckpt_1.ckpt")
+    assert saved["offload"]["global_step"] == at + steps_per_batch(model)
+    assert_same_checkpoint(saved["offload"], saved["torch"])
+    assert_same(list(resumed["offload"].parameters()), list(resumed["torch"].parameters()))

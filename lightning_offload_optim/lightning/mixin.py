@@ -18,9 +18,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.lightning.batch_interrupt import (
-    drop_stale_ctrl_c_hold,
-    hold_ctrl_c_until_batch_end,
-    raise_held_ctrl_c,
+    deliver_held_signals,
+    drop_stale_holds,
+    hold_signals_until_batch_end,
 )
 from lightning_offload_optim.lightning.checkpoint import (
     CHECKPOINT_KEY,
@@ -127,8 +127,9 @@ class OffloadOptimizerMixin:
     removes the overlap's hooks. Where ``on_fit_start`` finds an lr set before the first step
     (``LearningRateFinder``'s suggestion), it is the schedule's peak. A Ctrl-C from the first
     optimizer step of a batch on is raised at the end of the batch (``on_before_optimizer_step`` to
-    ``on_train_batch_end``). Call ``super()`` where you override these hooks:
-    ``configure_optimizers`` warns where an override the run needs does not
+    ``on_train_batch_end``), where a scheduler's notice (SLURM's requeue signal) is delivered.
+    Call ``super()`` where you override these hooks: ``configure_optimizers`` warns where an
+    override the run needs does not
     (:mod:`~lightning_offload_optim.lightning.hook_overrides`).
 
     Example:
@@ -298,14 +299,14 @@ class OffloadOptimizerMixin:
         }
 
     def setup(self, stage: str) -> None:
-        """Each run (``fit``, ``validate``...) starts without a Ctrl-C hold left by an earlier
-        one that failed before its batch's end
-        (:func:`~lightning_offload_optim.lightning.batch_interrupt.drop_stale_ctrl_c_hold`). A
+        """Each run (``fit``, ``validate``...) starts without the holds of Ctrl-C and notices
+        left by an earlier one that failed before its batch's end
+        (:func:`~lightning_offload_optim.lightning.batch_interrupt.drop_stale_holds`). A
         fit puts :class:`_FitGuard` first among the trainer's callbacks, before
         ``configure_optimizers`` (the mixin's or the module's own) can put hooks on and any
         callback's ``on_fit_start`` can raise."""
         trainer = getattr(self, "_trainer", None)
-        drop_stale_ctrl_c_hold(trainer)
+        drop_stale_holds(trainer)
         if trainer is not None and stage == "fit":
             trainer.callbacks[:] = [_FitGuard(), *_without_guards(trainer.callbacks)]
         super().setup(stage)  # type: ignore[misc]
@@ -362,29 +363,30 @@ class OffloadOptimizerMixin:
         super().on_train_start()  # type: ignore[misc]
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hold Ctrl-C from the batch's first step of an OffloadAdamW to the batch's end
+        """Hold Ctrl-C and notices from the batch's first step of an OffloadAdamW to its end
         (:mod:`~lightning_offload_optim.lightning.batch_interrupt`)."""
         super().on_before_optimizer_step(optimizer)  # type: ignore[misc]
-        hold_ctrl_c_until_batch_end(getattr(self, "_trainer", None), optimizer)
+        hold_signals_until_batch_end(getattr(self, "_trainer", None), optimizer)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Raise a Ctrl-C held since the batch's first step: the counters, the schedulers and
-        the callbacks' ``on_train_batch_end`` are done, as for a checkpoint saved there."""
+        """Deliver a notice and raise a Ctrl-C held since the batch's first step: the counters,
+        the schedulers and the callbacks' ``on_train_batch_end`` are done, as for a checkpoint
+        saved there."""
         super().on_train_batch_end(outputs, batch, batch_idx)  # type: ignore[misc]
-        self._end_sigint_hold()
+        self._end_batch_holds()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
         """A hold left by an ``on_train_batch_end`` overridden without ``super()`` ends here, at
         the epoch's end, before validation or when training ends."""
-        self._end_sigint_hold()
+        self._end_batch_holds()
         return super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
 
     def on_train_epoch_end(self) -> None:
-        self._end_sigint_hold()
+        self._end_batch_holds()
         super().on_train_epoch_end()  # type: ignore[misc]
 
-    def _end_sigint_hold(self) -> None:
-        raise_held_ctrl_c(getattr(self, "_trainer", None))
+    def _end_batch_holds(self) -> None:
+        deliver_held_signals(getattr(self, "_trainer", None))
 
     def _remove_offload_overlaps(self) -> None:
         """Take the overlaps' hooks, and the ``training_step`` watch, off this module (their
@@ -407,7 +409,7 @@ class OffloadOptimizerMixin:
         """With ``overlap_step``, order validation (whose steps may read parameters without the
         forward hooks, a root parameter say) after the last step's updates; Lightning calls
         this hook before any ``on_validation_start``, the callbacks' included."""
-        self._end_sigint_hold()
+        self._end_batch_holds()
         self._wait_for_offload_updates()
         super().on_validation_model_eval()  # type: ignore[misc]
 
@@ -418,7 +420,7 @@ class OffloadOptimizerMixin:
         ``optimizer.state``): :meth:`OffloadAdamW.release_device_memory`. A tuner's run
         (``BatchSizeFinder``) ends here too, and training goes on with the same optimizers:
         their next step allocates again."""
-        self._end_sigint_hold()
+        self._end_batch_holds()
         for optimizer in self._offload_optimizers():
             optimizer.release_device_memory()  # waits for the queued updates first
         super().on_train_end()  # type: ignore[misc]
@@ -437,7 +439,7 @@ class OffloadOptimizerMixin:
     def teardown(self, stage: str) -> None:
         """Remove the hooks of the trainer's optimizers' overlaps from this module, and
         :class:`_FitGuard`: a later fit makes new optimizers."""
-        self._end_sigint_hold()
+        self._end_batch_holds()
         self._remove_offload_overlaps()
         trainer = getattr(self, "_trainer", None)
         if trainer is not None:

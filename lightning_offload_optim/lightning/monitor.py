@@ -13,9 +13,9 @@ from torchmetrics import Metric
 
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.lightning.batch_interrupt import (
-    drop_stale_ctrl_c_hold,
-    hold_ctrl_c_until_batch_end,
-    raise_held_ctrl_c,
+    deliver_held_signals,
+    drop_stale_holds,
+    hold_signals_until_batch_end,
 )
 from lightning_offload_optim.lightning.checkpoint import (
     CHECKPOINT_KEY,
@@ -69,7 +69,8 @@ class OffloadMonitor(Callback):
     A Ctrl-C during a batch's optimizer steps is raised after the batch's end hooks, after
     Lightning counted the steps, as with the mixin, so the checkpoint ``OnExceptionCheckpoint``
     saves resumes exactly, also for a module that returns :class:`OffloadAdamW` from its own
-    ``configure_optimizers``.
+    ``configure_optimizers``; a scheduler's notice (SLURM's requeue signal, whose Lightning
+    handler saves a checkpoint) is delivered there too.
 
     Args:
         prefix: prefix of every metric name.
@@ -119,7 +120,7 @@ class OffloadMonitor(Callback):
         self._saved_at_train_end: int | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        drop_stale_ctrl_c_hold(trainer)  # from a run that failed before its batch's end
+        drop_stale_holds(trainer)  # from a run that failed before its batch's end
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Steps of a fit that raised, not read yet (a device step in flight): counted in the
@@ -150,21 +151,21 @@ class OffloadMonitor(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Hold Ctrl-C to the batch's end, also for a module without the mixin
+        """Hold Ctrl-C and notices to the batch's end, also for a module without the mixin
         (:mod:`~lightning_offload_optim.lightning.batch_interrupt`). The mixin's
         ``on_train_batch_end`` ends the hold after every callback's; without the mixin the
         monitor ends it at the next hook after all of them: the next batch's start,
         validation's start or the epoch's end."""
-        hold_ctrl_c_until_batch_end(trainer, optimizer)
+        hold_signals_until_batch_end(trainer, optimizer)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        raise_held_ctrl_c(trainer)
+        deliver_held_signals(trainer)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        raise_held_ctrl_c(trainer)
+        deliver_held_signals(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        raise_held_ctrl_c(trainer)
+        deliver_held_signals(trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
