@@ -180,8 +180,9 @@ class NoticeHold:
     A handler something else installed meanwhile keeps its signal, and nothing is delivered to
     the one it replaced unless that one was given back (Lightning restores the handlers it saved
     when a run ends). ``alive`` says whether the hold's owner still runs: a hold whose end never
-    came passes signals on, as does an ended hold installed again (a saved handler restored).
-    Holds nest: the inner hold's handlers are the outer's, which hold on.
+    came passes signals on, as does an ended hold still called (installed again, or called by a
+    handler that took it over). Holds nest: the inner hold's handlers are the outer's, which
+    hold on.
     """
 
     def __init__(self, alive: Callable[[], bool] = lambda: True) -> None:
@@ -199,10 +200,18 @@ class NoticeHold:
                 signal.signal(signum, self._note)
 
     def _note(self, signum: int, frame: Any) -> None:
-        if signum not in self._arrived:
-            self._arrived.append(signum)
-        if not self._holding or not self._alive():
+        if self._holding and self._alive():
+            if signum not in self._arrived:
+                self._arrived.append(signum)
+            return
+        if self._holding:  # its owner stopped: give the signals back, deliver what arrived
             self.end()
+        # Ended, yet called: installed again (a saved handler restored) or called by a handler
+        # that took this one over and calls it (Lightning composes the handlers it finds).
+        handler = self._meant_for[signum]
+        if signal.getsignal(signum) == self._note:
+            signal.signal(signum, handler)
+        handler(signum, frame)
 
     def end(self, deliver: bool = True) -> None:
         """Give every held signal back to its handler and deliver those that arrived (unless

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import pickle
 import signal
 import sys
 import threading
 import time
+import types
+import weakref
 
 import lightning.pytorch as pl
 import pytest
@@ -28,13 +31,17 @@ from conftest import (
     train_alike,
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning_models import TinyModel, make_data, trainer
 from torch.utils.data import DataLoader
 
 from lightning_offload_optim import OffloadAdamW, OffloadMonitor, interrupts
 from lightning_offload_optim import adamw as adamw_module
 from lightning_offload_optim.interrupts import signals_held
-from lightning_offload_optim.lightning.batch_interrupt import hold_signals_until_batch_end
+from lightning_offload_optim.lightning.batch_interrupt import (
+    deliver_held_signals,
+    hold_signals_until_batch_end,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -731,22 +738,44 @@ def test_a_press_held_in_a_fit_that_failed_does_not_stop_the_next_run(tmp_path, 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_notice_held_in_a_fit_that_failed_is_dropped_and_the_next_fit_holds_its_own(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("model", [TinyModel, WithoutMixin], ids=["mixin", "monitor-only"])
+def test_a_notice_held_in_a_fit_that_failed_is_delivered_and_the_trainer_freed(
+    tmp_path, monkeypatch, model
 ):
-    """The notice was for the failed fit (Lightning gave the handlers back as it failed); the
-    next ``fit`` of the same trainer holds a notice of its own to that batch's end again."""
+    """The fit fails after the batch's step, before the hooks that end the hold: the notice
+    reaches its handler as the failure is handled (it may still save, or requeue the job), the
+    next ``fit`` of the trainer holds a notice of its own to that batch's end again, and a
+    failed fit's hold does not keep its trainer (and the model and state with it) alive."""
     delivered = []
     signal.signal(SIGUSR1, lambda number, frame: delivered.append(fit.global_step))
-    model = TinyModel(force_staging=True)
-    fit = trainer(tmp_path, callbacks=[PressThenFail(monkeypatch, SIGUSR1)])
+    module = model(force_staging=True)
+    monitor = [OffloadMonitor(summary=False)] if model is WithoutMixin else []
+    fit = trainer(tmp_path, callbacks=[PressThenFail(monkeypatch, SIGUSR1), *monitor])
     with pytest.raises(RuntimeError, match="unrelated failure"):
-        fit.fit(model)
+        fit.fit(module)
     monkeypatch.undo()
-    assert delivered == []
+    assert delivered == [2]
     fit.callbacks.append(CtrlC(monkeypatch, 3, "step", signum=SIGUSR1))
-    fit.fit(model)
-    assert delivered == [4]  # the fourth step counted
+    fit.fit(module)
+    assert delivered == [2, 4]  # the fourth step counted
+    monkeypatch.undo()
+    freed = failed_fit(tmp_path / "failed", PressThenFail(monkeypatch), model)
+    monkeypatch.undo()
+    gc.collect()
+    assert freed() is None
+
+
+def failed_fit(root, callback: Callback, model) -> weakref.ref:
+    """A fit of ``model`` (with a monitor where it has no mixin) that ``callback`` makes fail;
+    its trainer, weakly. Nothing else here may keep it: ``pytest.raises`` would keep the
+    traceback's frames, and Lightning gives the callbacks the module's ``log``."""
+    monitor = [OffloadMonitor(summary=False)] if model is WithoutMixin else []
+    failed = trainer(root, callbacks=[callback, *monitor])
+    try:
+        failed.fit(model(force_staging=True))
+    except RuntimeError as error:
+        assert "unrelated failure" in str(error)
+    return weakref.ref(failed)
 
 
 class FaultInStep(Callback):
@@ -963,19 +992,55 @@ def test_a_notice_handler_installed_during_an_update_takes_its_signal_at_once():
     assert signal.getsignal(signal.SIGUSR1) is replacement
 
 
-def test_an_ended_notice_hold_installed_again_passes_signals_on():
+@pytest.mark.parametrize("how", ["installed again", "called by a wrapper", "owner stopped"])
+def test_a_notice_hold_that_ended_or_whose_owner_stopped_passes_signals_on(how):
     """Something that saved the hold's handler and restores it after the hold ended (as
-    Lightning restores the handlers it saved) does not swallow the signal for good."""
+    Lightning restores the handlers it saved), or a handler that took it over and calls it (as
+    Lightning composes the handlers it finds: a tuner's trial that failed mid-batch), does not
+    swallow the signal for good; nor does a hold whose fit stopped without ending it."""
     received = []
     recorders(received)
-    hold = interrupts.NoticeHold()
+    running = [True]
+    hold = interrupts.NoticeHold(alive=lambda: running[0])
     hold.start()
-    saved = signal.getsignal(signal.SIGUSR1)
-    hold.end()
-    signal.signal(signal.SIGUSR1, saved)
-    signal.raise_signal(signal.SIGUSR1)
-    assert received == [signal.SIGUSR1]
-    assert signal.getsignal(signal.SIGUSR1) is not saved  # the recorder, given back
+    saved = signal.getsignal(SIGUSR1)
+    if how == "installed again":
+        hold.end()
+        signal.signal(SIGUSR1, saved)
+    elif how == "called by a wrapper":
+        signal.signal(SIGUSR1, lambda number, frame: saved(number, frame))
+        hold.end()
+    else:
+        running[0] = False
+    signal.raise_signal(SIGUSR1)
+    assert received == [SIGUSR1]
+    if how != "called by a wrapper":
+        assert signal.getsignal(SIGUSR1) is not saved  # the recorder, given back
+    signal.raise_signal(SIGUSR1)
+    assert received == [SIGUSR1] * 2
+
+
+def test_notices_are_delivered_before_a_held_ctrl_c_at_an_update_and_at_a_batch_end():
+    """A handler of a notice saves a checkpoint: it runs before a held Ctrl-C is raised (which
+    ends the run), after an update and at the end of a Lightning batch alike."""
+    order = []
+    signal.signal(signal.SIGINT, lambda number, frame: order.append("Ctrl-C"))
+    signal.signal(SIGUSR1, lambda number, frame: order.append("notice"))
+    with signals_held():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(SIGUSR1)
+    assert order == ["notice", "Ctrl-C"]
+
+    class Running:  # what the batch's hold asks of a trainer
+        state = types.SimpleNamespace(status=TrainerStatus.RUNNING)
+
+    running = Running()
+    hold_signals_until_batch_end(running, OffloadAdamW(make_params()))
+    signal.raise_signal(signal.SIGINT)
+    signal.raise_signal(SIGUSR1)
+    assert order == ["notice", "Ctrl-C"]
+    deliver_held_signals(running)
+    assert order == ["notice", "Ctrl-C"] * 2
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,16 @@ def deliver_held_signals(trainer: pl.Trainer | None) -> None:
             hold.end()
 
 
+def deliver_held_notices(trainer: pl.Trainer | None) -> None:
+    """A run of ``trainer`` raised (``on_exception``, before Lightning gives back the handlers
+    it saved): deliver the notices held since the batch's first step now. Their handlers may
+    save or requeue still, and the hold, which refers to Lightning's handlers and through them
+    to the trainer, must not outlive the run."""
+    notices = _NOTICE_HOLDS.pop(trainer, None) if trainer is not None else None
+    if notices is not None:
+        notices.end()
+
+
 def drop_stale_holds(trainer: pl.Trainer | None) -> None:
     """A run of ``trainer`` starts: end the holds left by an earlier run without delivering
     what they hold. Lightning's path for an exception other than Ctrl-C runs none of the hooks

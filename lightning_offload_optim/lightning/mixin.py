@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.lightning.batch_interrupt import (
+    deliver_held_notices,
     deliver_held_signals,
     drop_stale_holds,
     hold_signals_until_batch_end,
@@ -604,7 +605,16 @@ class _FitGuard(pl.Callback):
         the overlaps' hooks while the Trainer lives (and not pickle), and the optimizers their
         staging buffers and resident state on the device, which the next trial of a sweep needs
         (Lightning frees only what it finds in ``optimizer.state``). Each part is tried on its
-        own, and a failure is a warning: the exception that ended the fit is the one to see."""
+        own, and a failure is a warning: the exception that ended the fit is the one to see.
+        Notices held since the batch's first step are delivered last (their handlers may save a
+        checkpoint: the resident state is on the host by then)."""
+        try:
+            self._clean_up_after(pl_module, exception)
+        finally:
+            deliver_held_notices(trainer)
+
+    @staticmethod
+    def _clean_up_after(pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(pl_module, OffloadOptimizerMixin):
             return
         clean_ups = [overlap.remove for overlap in pl_module._offload_overlaps()]
@@ -622,7 +632,7 @@ class _FitGuard(pl.Callback):
                 f"OffloadOptimizerMixin: after the fit failed ({type(exception).__name__}), the "
                 f"overlap's hooks or the optimizers' device memory could not be released: "
                 f"{'; '.join(failures)}",
-                stacklevel=2,
+                stacklevel=3,
             )
 
 

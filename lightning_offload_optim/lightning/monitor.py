@@ -13,6 +13,7 @@ from torchmetrics import Metric
 
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.lightning.batch_interrupt import (
+    deliver_held_notices,
     deliver_held_signals,
     drop_stale_holds,
     hold_signals_until_batch_end,
@@ -237,8 +238,9 @@ class OffloadMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         """Lightning calls no ``teardown`` when ``fit`` raises: steps made by hand afterwards
-        are not this monitor's."""
+        are not this monitor's. Notices held since the batch's first step are delivered."""
         self._remove_hooks()
+        deliver_held_notices(trainer)
 
     def _new_interval(self) -> None:
         self._sums = dict.fromkeys(COUNTERS, 0.0)  # since the last row
