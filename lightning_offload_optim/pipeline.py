@@ -6,7 +6,7 @@ contiguous range of an arena (so one copy per state key), holding pieces of one 
 parameters. On an accelerator each chunk is copied into one of a few staging buffers on a copy
 stream, updated on the compute stream, and copied back on a second copy stream; events order the
 three, so copies overlap the update and the host never waits inside a step. Extra device memory
-is ``num_buffers`` staging buffers whatever the model size.
+is ``num_buffers`` staging buffers whatever the model size (one where a step is one chunk).
 
 When the parameters live on the host (CPU training) the update runs on the host buffers in place;
 ``force_staging=True`` runs the staged path there too, so CPU tests exercise it.
@@ -107,6 +107,14 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
     return chunks
 
 
+def staging_sets(users: int, num_buffers: int, stages: bool) -> int:
+    """Staging buffer sets for a kind of chunk (device and dtype) of which ``users`` chunks need
+    buffers in a step: ``num_buffers`` on a staged device, so that a chunk loads while the one
+    before it computes, but one where a single chunk needs them (chunks run in turn from the
+    first set) or the device is not staged (a gradient scratch, updates one after another)."""
+    return num_buffers if stages and users > 1 else 1
+
+
 def _needs_no_buffer(slot: Slot) -> bool:
     """Whether the slot's whole state, as one chunk on a staging device, needs no buffer (it is
     resident in an arena without a master copy), so it needs no bound either."""
@@ -181,19 +189,26 @@ class StagingPipeline:
         """Allocate every buffer the chunks need, before anything is mutated.
 
         Buffers hold the largest chunk (at most ``chunk_numel``), so a small model does not
-        reserve full-size staging. Staged devices get ``num_buffers`` sets; chunks updated in
-        place on the host need one gradient scratch at most (they run one after another).
+        reserve full-size staging. Staged devices get ``num_buffers`` sets, or one where a
+        single chunk of the kind needs buffers (it takes the first: one optimizer per
+        parameter, stepped in backward, would otherwise hold twice its state in staging);
+        chunks updated in place on the host need one gradient scratch at most (they run one
+        after another).
         """
         needed: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
+        users: dict[tuple[torch.device, torch.dtype], int] = {}
         for chunk in chunks:
-            sizes = needed.setdefault((chunk.arena.device, chunk.arena.dtype), {})
-            for key in self._staged_keys(chunk):
+            kind = (chunk.arena.device, chunk.arena.dtype)
+            sizes = needed.setdefault(kind, {})
+            keys = self._staged_keys(chunk)
+            users[kind] = users.get(kind, 0) + bool(keys)
+            for key in keys:
                 sizes[key] = max(sizes.get(key, 0), chunk.numel)
         for (device, dtype), sizes in needed.items():
             if not sizes:
                 continue
             streams = self._streams_for(device)
-            count = self.num_buffers if self.stages(device) else 1
+            count = staging_sets(users[device, dtype], self.num_buffers, self.stages(device))
             buffers = self._buffers.setdefault((device, dtype), [])
             buffers.extend({} for _ in range(count - len(buffers)))
             for buffer in buffers:

@@ -33,7 +33,7 @@ from lightning_offload_optim.adamw import DEFAULT_CHUNK_SIZE
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
 from lightning_offload_optim.host_state import PAGE_SIZE, state_dtype, state_keys
 from lightning_offload_optim.lightning.mixin import OffloadOptimizerMixin
-from lightning_offload_optim.pipeline import buffer_keys, plan_chunks
+from lightning_offload_optim.pipeline import buffer_keys, plan_chunks, staging_sets
 from lightning_offload_optim.resident import (
     Resident,
     ResidentRanges,
@@ -602,17 +602,33 @@ def _lay_out(
 
 
 def _grow_staging(
-    sizes: dict[tuple[torch.dtype, str], int], arenas: Sequence[_PlannedArena], bound: int
+    sets: dict[torch.dtype, list[dict[str, int]]], arenas: Sequence[_PlannedArena], bound: int
 ) -> int:
-    """Grow ``sizes`` (elements per state dtype and key) to the chunks a step of ``arenas``
-    cuts, as StagingPipeline.prepare grows its buffers (never shrinking them): state keys for
-    the chunks it stages, a gradient scratch for every chunk with a master copy. Returns the
-    bytes of the staging sets."""
+    """Grow ``sets`` (per state dtype, the staging sets' elements by key) to the chunks a step
+    of ``arenas`` cuts, as StagingPipeline.prepare grows its buffers (never shrinking them, each
+    set to the step's largest chunk): state keys for the chunks it stages, a gradient scratch
+    for every chunk with a master copy. Returns the bytes of the staging sets."""
+    needed: dict[torch.dtype, dict[str, int]] = {}
+    users: dict[torch.dtype, int] = {}
     for arena in arenas:
+        sizes = needed.setdefault(arena.dtype, {})
         for chunk in plan_chunks(arena.slots, bound):
-            for key in buffer_keys(chunk, stages=True):  # a GPU's
-                sizes[arena.dtype, key] = max(sizes.get((arena.dtype, key), 0), chunk.numel)
-    return STAGING_SETS * sum(numel * dtype.itemsize for (dtype, _), numel in sizes.items())
+            keys = buffer_keys(chunk, stages=True)  # a GPU's
+            users[arena.dtype] = users.get(arena.dtype, 0) + bool(keys)
+            for key in keys:
+                sizes[key] = max(sizes.get(key, 0), chunk.numel)
+    for dtype, sizes in needed.items():
+        if not sizes:
+            continue
+        held = sets.setdefault(dtype, [])
+        count = staging_sets(users[dtype], STAGING_SETS, stages=True)
+        held.extend({} for _ in range(count - len(held)))
+        for buffer in held:
+            for key, numel in sizes.items():
+                buffer[key] = max(buffer.get(key, 0), numel)
+    return sum(
+        numel * dtype.itemsize for dtype, held in sets.items() for b in held for numel in b.values()
+    )
 
 
 def _resident_budget(
@@ -662,8 +678,8 @@ def _rank_usages(
         _host_buffer_bytes(arena.numel * arena.dtype.itemsize, pin) * len(arena.keys)
         for arena in arenas
     )
-    sizes: dict[tuple[torch.dtype, str], int] = {}
-    staging = _grow_staging(sizes, arenas, bound)  # the first step: nothing resident yet
+    sets: dict[torch.dtype, list[dict[str, int]]] = {}
+    staging = _grow_staging(sets, arenas, bound)  # the first step: nothing resident yet
     adamw = Usage(stored, grads, unsharded, adamw_state, 0, 0)
     offload = Usage(stored, grads, unsharded, 0, staging, host)
     budget = _resident_budget(resident, state, offload.device, gpu_memory, headroom)
@@ -672,7 +688,7 @@ def _rank_usages(
         arena.resident = ranges
         kept += arena.state_bytes(ranges.numel)
     # From the second step on, chunks also end where resident ranges start or stop.
-    staging = _grow_staging(sizes, arenas, bound)
+    staging = _grow_staging(sets, arenas, bound)
     return adamw, replace(offload, device_state=kept, staging=staging), state
 
 

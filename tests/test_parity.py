@@ -7,6 +7,8 @@ calls the same kernel; within fp32 rounding of torch's default (for-loop/foreach
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -1160,3 +1162,63 @@ def test_a_step_count_tensor_written_into_several_entries_counts_for_each(settin
     ours.load_state_dict(saved)
     theirs.load_state_dict(twins)
     assert train(inputs[4:]) == [9.0, 9.0, 9.0, 8.0]
+
+
+class TiedNet(torch.nn.Module):
+    """An embedding whose weight the output projection reuses, and a layer in between."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 16, dtype=dtype)
+        self.hidden = torch.nn.Linear(16, 16, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.hidden(self.embed(tokens)))
+        return (hidden @ self.embed.weight.T).float().logsumexp(-1).mean()
+
+
+def step_in_backward(
+    model: torch.nn.Module, make: Callable[[torch.Tensor], Any]
+) -> dict[torch.Tensor, Any]:
+    """One optimizer per parameter, stepped (and its gradient freed) as soon as backward has
+    accumulated the parameter's gradient: the PyTorch tutorial's "optimizer step in backward",
+    torchtune's ``optimizer_in_bwd``."""
+    optimizers = {p: make(p) for p in model.parameters()}
+
+    def step(param: torch.Tensor) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(step)
+    return optimizers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_optimizer_per_parameter_stepped_in_backward_matches_torch(dtype):
+    """Exact against torch's fused AdamW (on fp32 master copies for bf16) stepped the same way,
+    the tied weight stepped once per backward; the staging the optimizers hold together is
+    their state's size at most (one set each), not twice it."""
+    ours, theirs = TiedNet(dtype), TiedNet(dtype)
+    offload = step_in_backward(ours, lambda p: OffloadAdamW([p], lr=0.01, force_staging=True))
+    if dtype == torch.float32:
+        reference = step_in_backward(theirs, lambda p: torch.optim.AdamW([p], lr=0.01, fused=True))
+    else:
+        reference = step_in_backward(theirs, lambda p: MasterCopyAdamW([{"params": [p]}], lr=0.01))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        tokens = torch.randint(50, (4, 6), generator=generator)
+        ours(tokens).backward()
+        theirs(tokens).backward()
+    assert_same(list(ours.parameters()), list(theirs.parameters()))
+    for param, twin in zip(ours.parameters(), theirs.parameters(), strict=True):
+        state = offload[param].offloaded_state(param)
+        expected = reference[twin].state[twin]
+        if dtype == torch.bfloat16:
+            expected = reference[twin].fp32.state[reference[twin].masters[twin]]
+        assert torch.equal(state["exp_avg_sq"], expected["exp_avg_sq"])
+        assert float(offload[param].state[param]["step"]) == 4
+    stats = [o.memory_stats() for o in offload.values()]
+    scratch = 4 * sum(p.numel() for p in ours.parameters()) if dtype == torch.bfloat16 else 0
+    assert sum(s["staging_bytes"] for s in stats) == sum(s["state_bytes"] for s in stats) + scratch

@@ -158,6 +158,24 @@ def test_staging_buffers_are_bounded_by_chunk_size_not_model_size():
     assert sizes[0] == sizes[1] == 2 * 256 * 2  # two buffers of exp_avg and exp_avg_sq
 
 
+@pytest.mark.parametrize(
+    ("dtype", "bytes_per_element"), [(torch.float32, 8), (torch.bfloat16, 16)], ids=["fp32", "bf16"]
+)
+def test_a_step_of_one_chunk_holds_one_staging_set(dtype, bytes_per_element):
+    """One optimizer per parameter (stepped in backward): each step is one chunk, which takes
+    the first staging set only; a second set would hold the parameter's state twice over on the
+    device. Two chunks of a kind take both sets, so that one loads while the other computes.
+    Per element: the two moments, and for bf16 the master copy and the gradient scratch."""
+    one = make_params([(1024,)], dtype=dtype)
+    two = make_params([(1024,), (1024,)], dtype=dtype)
+    alone = OffloadAdamW(one, force_staging=True, chunk_size=1024)
+    pair = OffloadAdamW(two, force_staging=True, chunk_size=1024)
+    step_together([alone], [one], torch.Generator().manual_seed(0), 2)
+    step_together([pair], [two], torch.Generator().manual_seed(0), 2)
+    assert alone.memory_stats()["staging_bytes"] == bytes_per_element * 1024
+    assert pair.memory_stats()["staging_bytes"] == 2 * bytes_per_element * 1024
+
+
 def test_chunk_size_is_rounded_to_the_split_alignment():
     assert OffloadAdamW(make_params(), chunk_size=1000).chunk_size == 960
 

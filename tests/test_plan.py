@@ -456,12 +456,13 @@ def test_ddp_and_fsdp2_by_hand():
     mb = 10**6
     common = {"precision": "bf16-true", "gpus": 4, "nodes": 2, "pin_memory": False, **MACHINE}
     fsdp = plan(8 * mb, strategy="fsdp2", unit_params=mb, **common)
-    # 1e6 bf16 elements per rank; 4 fp32 staging keys (moments, master, grad) of 1e6, twice.
+    # 1e6 bf16 elements per rank; 4 fp32 staging keys (moments, master, grad) of 1e6, once:
+    # the rank's state is one chunk, which takes the first staging set only.
     assert fsdp.offload.gpu.params == fsdp.offload.gpu.grads == 2 * mb
     assert fsdp.offload.gpu.unsharded == 2 * mb
     assert fsdp.state_bytes == fsdp.offload.gpu.host_state == 12 * mb
-    assert fsdp.offload.gpu.staging == 2 * 4 * 4 * mb
-    assert fsdp.offload.gpu.device == 6 * mb + 32 * mb
+    assert fsdp.offload.gpu.staging == 1 * 4 * 4 * mb
+    assert fsdp.offload.gpu.device == 6 * mb + 16 * mb
     assert fsdp.offload.node.host_state == 4 * 12 * mb
     assert fsdp.adamw.gpu.device_state == 4 * mb  # bf16 moments on the device
     assert fsdp.adamw.gpu.device == 10 * mb
