@@ -181,8 +181,8 @@ class NoticeHold:
     the one it replaced unless that one was given back (Lightning restores the handlers it saved
     when a run ends). ``alive`` says whether the hold's owner still runs: a hold whose end never
     came passes signals on, as does an ended hold still called (installed again, or called by a
-    handler that took it over). Holds nest: the inner hold's handlers are the outer's, which
-    hold on.
+    handler that took it over). Holds nest: an inner hold leaves the signals an outer one
+    holds to it (a batch's hold around its steps' updates).
     """
 
     def __init__(self, alive: Callable[[], bool] = lambda: True) -> None:
@@ -195,8 +195,9 @@ class NoticeHold:
         self._holding = True
         for signum in NOTICE_SIGNALS:
             handler = signal.getsignal(signum)
-            if callable(handler):
-                self._meant_for[signum] = handler
+            outer = getattr(handler, "__self__", None)
+            if callable(handler) and not (isinstance(outer, NoticeHold) and outer._holding):
+                self._meant_for[signum] = handler  # (an outer hold holding it holds on)
                 signal.signal(signum, self._note)
 
     def _note(self, signum: int, frame: Any) -> None:
