@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -107,12 +107,28 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
     return chunks
 
 
-def staging_sets(users: int, num_buffers: int, stages: bool) -> int:
-    """Staging buffer sets for a kind of chunk (device and dtype) of which ``users`` chunks need
-    buffers in a step: ``num_buffers`` on a staged device, so that a chunk loads while the one
-    before it computes, but one where a single chunk needs them (chunks run in turn from the
-    first set) or the device is not staged (a gradient scratch, updates one after another)."""
-    return num_buffers if stages and users > 1 else 1
+def staging_needs(
+    chunks: Iterable[Chunk], stages: Callable[[torch.device], bool], num_buffers: int
+) -> dict[tuple[torch.device, torch.dtype], tuple[int, dict[str, int]]]:
+    """What a step of ``chunks`` needs of staging, per kind of chunk (device and state dtype):
+    how many buffer sets, and per key the elements of each (its largest chunk). A staged
+    device (``stages``) gets ``num_buffers`` sets, so that a chunk loads while the one before it
+    computes, but one where a single chunk of the kind needs buffers (it takes the first: one
+    optimizer per parameter, stepped in backward, would otherwise hold twice its state in
+    staging); a device updated in place needs one gradient scratch at most (its chunks run one
+    after another). Kinds whose chunks need no buffer map to no keys."""
+    needs: dict[tuple[torch.device, torch.dtype], tuple[int, dict[str, int]]] = {}
+    for chunk in chunks:
+        kind = (chunk.arena.device, chunk.arena.dtype)
+        users, sizes = needs.get(kind, (0, {}))
+        keys = buffer_keys(chunk, stages(chunk.arena.device))
+        for key in keys:
+            sizes[key] = max(sizes.get(key, 0), chunk.numel)
+        needs[kind] = (users + bool(keys), sizes)
+    return {
+        kind: (num_buffers if stages(kind[0]) and users > 1 else 1, sizes)
+        for kind, (users, sizes) in needs.items()
+    }
 
 
 def _needs_no_buffer(slot: Slot) -> bool:
@@ -189,26 +205,13 @@ class StagingPipeline:
         """Allocate every buffer the chunks need, before anything is mutated.
 
         Buffers hold the largest chunk (at most ``chunk_numel``), so a small model does not
-        reserve full-size staging. Staged devices get ``num_buffers`` sets, or one where a
-        single chunk of the kind needs buffers (it takes the first: one optimizer per
-        parameter, stepped in backward, would otherwise hold twice its state in staging);
-        chunks updated in place on the host need one gradient scratch at most (they run one
-        after another).
+        reserve full-size staging; :func:`staging_needs` says how many sets of them.
         """
-        needed: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
-        users: dict[tuple[torch.device, torch.dtype], int] = {}
-        for chunk in chunks:
-            kind = (chunk.arena.device, chunk.arena.dtype)
-            sizes = needed.setdefault(kind, {})
-            keys = self._staged_keys(chunk)
-            users[kind] = users.get(kind, 0) + bool(keys)
-            for key in keys:
-                sizes[key] = max(sizes.get(key, 0), chunk.numel)
-        for (device, dtype), sizes in needed.items():
+        needs = staging_needs(chunks, self.stages, self.num_buffers)
+        for (device, dtype), (count, sizes) in needs.items():
             if not sizes:
                 continue
             streams = self._streams_for(device)
-            count = staging_sets(users[device, dtype], self.num_buffers, self.stages(device))
             buffers = self._buffers.setdefault((device, dtype), [])
             buffers.extend({} for _ in range(count - len(buffers)))
             for buffer in buffers:

@@ -33,7 +33,7 @@ from lightning_offload_optim.adamw import DEFAULT_CHUNK_SIZE
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
 from lightning_offload_optim.host_state import PAGE_SIZE, state_dtype, state_keys
 from lightning_offload_optim.lightning.mixin import OffloadOptimizerMixin
-from lightning_offload_optim.pipeline import buffer_keys, plan_chunks, staging_sets
+from lightning_offload_optim.pipeline import plan_chunks, staging_needs
 from lightning_offload_optim.resident import (
     Resident,
     ResidentRanges,
@@ -608,20 +608,12 @@ def _grow_staging(
     of ``arenas`` cuts, as StagingPipeline.prepare grows its buffers (never shrinking them, each
     set to the step's largest chunk): state keys for the chunks it stages, a gradient scratch
     for every chunk with a master copy. Returns the bytes of the staging sets."""
-    needed: dict[torch.dtype, dict[str, int]] = {}
-    users: dict[torch.dtype, int] = {}
-    for arena in arenas:
-        sizes = needed.setdefault(arena.dtype, {})
-        for chunk in plan_chunks(arena.slots, bound):
-            keys = buffer_keys(chunk, stages=True)  # a GPU's
-            users[arena.dtype] = users.get(arena.dtype, 0) + bool(keys)
-            for key in keys:
-                sizes[key] = max(sizes.get(key, 0), chunk.numel)
-    for dtype, sizes in needed.items():
+    chunks = [chunk for arena in arenas for chunk in plan_chunks(arena.slots, bound)]
+    needs = staging_needs(chunks, lambda device: True, STAGING_SETS)  # a GPU's
+    for (_, dtype), (count, sizes) in needs.items():
         if not sizes:
             continue
         held = sets.setdefault(dtype, [])
-        count = staging_sets(users[dtype], STAGING_SETS, stages=True)
         held.extend({} for _ in range(count - len(held)))
         for buffer in held:
             for key, numel in sizes.items():
