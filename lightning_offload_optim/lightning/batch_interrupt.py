@@ -52,13 +52,10 @@ def hold_signals_until_batch_end(
 def deliver_held_signals(trainer: pl.Trainer | None) -> None:
     """End the trainer's holds: call the handlers of notices held since the batch's first
     step, then raise a Ctrl-C held since then."""
-    if trainer is None:
-        return
-    notices, hold = _NOTICE_HOLDS.pop(trainer, None), _HOLDS.pop(trainer, None)
     try:
-        if notices is not None:
-            notices.end()
+        deliver_held_notices(trainer)
     finally:
+        hold = _HOLDS.pop(trainer, None) if trainer is not None else None
         if hold is not None:
             hold.end()
 
