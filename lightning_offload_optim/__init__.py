@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 from lightning_offload_optim.adamw import OffloadAdamW
 from lightning_offload_optim.compat import MemoryEfficientAdamW
 from lightning_offload_optim.lightning import OffloadMonitor, OffloadOptimizerMixin
+from lightning_offload_optim.pipeline import StagingPool
 from lightning_offload_optim.plan import MemoryPlan, plan
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "OffloadAdamW",
     "OffloadMonitor",
     "OffloadOptimizerMixin",
+    "StagingPool",
     "plan",
 ]

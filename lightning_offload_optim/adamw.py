@@ -35,7 +35,13 @@ from lightning_offload_optim.host_state import (
 )
 from lightning_offload_optim.interrupts import signals_held
 from lightning_offload_optim.overlap import ForwardOverlap
-from lightning_offload_optim.pipeline import GRAD_KEY, Chunk, StagingPipeline, plan_chunks
+from lightning_offload_optim.pipeline import (
+    GRAD_KEY,
+    Chunk,
+    StagingPipeline,
+    StagingPool,
+    plan_chunks,
+)
 from lightning_offload_optim.resident import (
     ResidentRanges,
     budget_bytes,
@@ -74,7 +80,9 @@ DEFAULT_CHUNK_SIZE = 1 << 22
 #: Chunk plans kept for reuse, one per set of parameters with gradients (usually one).
 PLAN_CACHE_SIZE = 8
 #: Constructor settings fixed once the optimizer is built (see :class:`_FixedSetting`).
-_FIXED_SETTINGS = ("enabled", "chunk_size", "pin_memory", "force_staging")
+_FIXED_SETTINGS = ("enabled", "chunk_size", "pin_memory", "force_staging", "staging_pool")
+#: Those the mixin takes as hparams (``offload_<name>``).
+_MIXIN_SETTINGS = ("enabled", "chunk_size", "pin_memory")
 #: Constructor settings kept when the optimizer is copied or pickled.
 _SETTINGS = (*_FIXED_SETTINGS, "resident")
 
@@ -128,7 +136,7 @@ class _FixedSetting:
     def _read_only(self, optimizer: Any, argument: str) -> str:
         kind = type(_unwrapped(optimizer)).__name__
         hparam = (
-            f" (the mixin's hparam offload_{self.name})" if self.name != "force_staging" else ""
+            f" (the mixin's hparam offload_{self.name})" if self.name in _MIXIN_SETTINGS else ""
         )
         return (
             f"{kind}'s {self.name} is read-only: the constructor takes it{hparam}, and the host "
@@ -207,7 +215,10 @@ class OffloadAdamW(torch.optim.AdamW):
             Device memory used is ``2 * chunk_size * 4 bytes`` per state key, plus one more
             key's worth for bf16/fp16 parameters (their fp32 gradient scratch).
         force_staging: stage chunks through separate buffers even for CPU parameters (tests).
-            These four are fixed once the optimizer is built: setting one raises.
+        staging_pool: a :class:`~lightning_offload_optim.StagingPool` whose staging buffers
+            this optimizer shares with the others given it (one optimizer per parameter,
+            stepped in backward); by default it has buffers of its own.
+            These five are fixed once the optimizer is built: setting one raises.
         resident: state to keep on the device, where it is updated in place and never copied:
             a share of the state (``0.25``), a number of bytes per device, or ``"auto"`` (what
             is free on each device after the first step, within any per-process memory
@@ -232,6 +243,7 @@ class OffloadAdamW(torch.optim.AdamW):
     chunk_size = _FixedSetting()
     pin_memory = _FixedSetting()
     force_staging = _FixedSetting()
+    staging_pool = _FixedSetting()
     #: What torch's constructor set ``_step_supports_amp_scaling`` to (disabled only).
     _torch_amp_scaling = False
 
@@ -279,6 +291,7 @@ class OffloadAdamW(torch.optim.AdamW):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         force_staging: bool = False,
         resident: float | int | str | None = None,
+        staging_pool: StagingPool | None = None,
     ) -> None:
         if not is_int(chunk_size):
             raise TypeError(f"chunk_size must be an int, got {chunk_size!r}")
@@ -290,6 +303,8 @@ class OffloadAdamW(torch.optim.AdamW):
             if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
                 kind = "a bool or None" if name == "pin_memory" else "a bool"
                 raise TypeError(f"{name} must be {kind}, got {flag!r}")  # bool("false") is True
+        if staging_pool is not None and not isinstance(staging_pool, StagingPool):
+            raise TypeError(f"staging_pool must be a StagingPool or None, got {staging_pool!r}")
         kernel = {
             "foreach": foreach,
             "capturable": capturable,
@@ -303,6 +318,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._enabled = enabled
         self._chunk_size = chunk_size - chunk_size % SPLIT_ALIGNMENT
         self._force_staging = force_staging
+        self._staging_pool = staging_pool
         self.resident = resident
         self._pin_memory = _resolve_pin_memory(pin_memory) if enabled else False
         try:
@@ -329,7 +345,7 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def _start_offload(self) -> None:
         """The host store, pipeline and caches (at construction and when copied or unpickled)."""
-        pipeline = StagingPipeline(self.chunk_size, self.force_staging)
+        pipeline = StagingPipeline(self.chunk_size, self.force_staging, pool=self.staging_pool)
         pin = self.pin_memory
         self._pipeline = pipeline
         # Closures over the pipeline only: no reference cycle keeping host buffers alive.
@@ -1188,8 +1204,12 @@ class OffloadAdamW(torch.optim.AdamW):
             super().__setstate__(state)  # torch's load_state_dict installing the loaded state
             return
         state = dict(state)
-        for name in _FIXED_SETTINGS:
-            setattr(self, f"_{name}", state.pop(name))
+        for name in _FIXED_SETTINGS:  # no staging_pool: pickled before the setting existed
+            setattr(
+                self,
+                f"_{name}",
+                state.pop(name, None) if name == "staging_pool" else state.pop(name),
+            )
         resident = state.pop("resident", None)  # None: pickled before the setting existed
         offloaded = state.pop("offloaded", [])
         interrupted = state.pop("interrupted", None)
@@ -1252,7 +1272,8 @@ class OffloadAdamW(torch.optim.AdamW):
         ``state_bytes``: logical bytes of state (what would otherwise sit on the device);
         ``host_bytes``: bytes the host buffers occupy (page-rounded when pinned);
         ``pinned``: whether they are page-locked; ``staging_bytes``: staging buffers and fp32
-        gradient scratch, on the parameters' devices (on the host for CPU parameters);
+        gradient scratch, on the parameters' devices (on the host for CPU parameters), those
+        of its ``staging_pool`` where it was given one (shared with the pool's optimizers);
         ``resident_bytes``: state kept on the devices (``resident=``).
         """
         return {

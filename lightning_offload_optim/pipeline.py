@@ -7,6 +7,8 @@ parameters. On an accelerator each chunk is copied into one of a few staging buf
 stream, updated on the compute stream, and copied back on a second copy stream; events order the
 three, so copies overlap the update and the host never waits inside a step. Extra device memory
 is ``num_buffers`` staging buffers whatever the model size (one where a step is one chunk).
+Optimizers given one :class:`StagingPool` share its buffers and streams, taking the buffers in
+turn, so that many optimizers stepped one after another hold ``num_buffers`` chunks in all.
 
 When the parameters live on the host (CPU training) the update runs on the host buffers in place;
 ``force_staging=True`` runs the staged path there too, so CPU tests exercise it.
@@ -14,6 +16,7 @@ When the parameters live on the host (CPU training) the update runs on the host 
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,6 +30,7 @@ from lightning_offload_optim.host_state import MASTER_KEY, Arena, Slot
 from lightning_offload_optim.resident import ResidentRanges
 from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, STEP, StepRecord
 from lightning_offload_optim.streams import PipelineStreams
+from lightning_offload_optim.validation import is_int
 
 #: Key of the staging scratch that low-precision gradients are cast into.
 GRAD_KEY = "grad"
@@ -108,15 +112,19 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
 
 
 def staging_needs(
-    chunks: Iterable[Chunk], stages: Callable[[torch.device], bool], num_buffers: int
+    chunks: Iterable[Chunk],
+    stages: Callable[[torch.device], bool],
+    num_buffers: int,
+    shared: bool = False,
 ) -> dict[tuple[torch.device, torch.dtype], tuple[int, dict[str, int]]]:
     """What a step of ``chunks`` needs of staging, per kind of chunk (device and state dtype):
     how many buffer sets, and per key the elements of each (its largest chunk). A staged
     device (``stages``) gets ``num_buffers`` sets, so that a chunk loads while the one before it
-    computes, but one where a single chunk of the kind needs buffers (it takes the first: one
-    optimizer per parameter, stepped in backward, would otherwise hold twice its state in
-    staging); a device updated in place needs one gradient scratch at most (its chunks run one
-    after another). Kinds whose chunks need no buffer map to no keys."""
+    computes, but one where a single chunk of the kind needs buffers and the buffers are not
+    ``shared`` with other optimizers (it takes the first: one optimizer per parameter, stepped
+    in backward, would otherwise hold twice its state in staging); a device updated in place
+    needs one gradient scratch at most (its chunks run one after another). Kinds whose chunks
+    need no buffer map to no keys."""
     needs: dict[tuple[torch.device, torch.dtype], tuple[int, dict[str, int]]] = {}
     for chunk in chunks:
         kind = (chunk.arena.device, chunk.arena.dtype)
@@ -126,7 +134,7 @@ def staging_needs(
             sizes[key] = max(sizes.get(key, 0), chunk.numel)
         needs[kind] = (users + bool(keys), sizes)
     return {
-        kind: (num_buffers if stages(kind[0]) and users > 1 else 1, sizes)
+        kind: (num_buffers if stages(kind[0]) and (users > 1 or shared) else 1, sizes)
         for kind, (users, sizes) in needs.items()
     }
 
@@ -164,6 +172,116 @@ class _Resident:
                 yield arena.buffers[key][on_host], buffer[on_device]
 
 
+Kind = tuple[torch.device, torch.dtype]
+
+
+class StagingPool:
+    """Staging buffers and copy streams, shared by the optimizers built with the same pool.
+
+    Each :class:`~lightning_offload_optim.OffloadAdamW` stages its chunks through buffers of its
+    own by default: up to ``num_buffers`` chunk-sized sets per device. Optimizers given one
+    pool take their chunks through its sets in turn instead (a step starts at the set after the
+    one the last step used, so the next optimizer's first chunk loads while the last one's
+    chunk computes), and together hold ``num_buffers`` sets of their largest chunk. That is the
+    memory of one optimizer where one optimizer per parameter is stepped in backward (the
+    PyTorch tutorial's "optimizer step in backward"); without a pool they would hold about
+    their whole state on the device again, one set each.
+
+    The optimizers of a pool step one at a time (a lock orders calls from several threads).
+    ``release_device_memory()`` of any of them frees the pool's buffers; the next step
+    allocates them again. Pickled or deep-copied together, optimizers share a new pool.
+
+    Example:
+        >>> from lightning_offload_optim import OffloadAdamW, StagingPool
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        >>> pool = StagingPool()
+        >>> optimizers = {p: OffloadAdamW([p], staging_pool=pool) for p in model.parameters()}
+        >>> for p in model.parameters():  # each parameter steps as soon as its gradient is ready
+        ...     _ = p.register_post_accumulate_grad_hook(lambda p: optimizers[p].step())
+        >>> model(torch.randn(4, 8)).sum().backward()
+        >>> all(optimizers[p].state[p]["step"] == 1 for p in model.parameters())
+        True
+    """
+
+    def __init__(self, num_buffers: int = 2) -> None:
+        if not is_int(num_buffers):
+            raise TypeError(f"num_buffers must be an int, got {num_buffers!r}")
+        if num_buffers < 1:
+            raise ValueError(f"num_buffers must be at least 1, got {num_buffers}")
+        self.num_buffers = int(num_buffers)
+        #: Whether optimizers share it: a step then takes the sets from where the last left off.
+        self.shared = True
+        self.streams: dict[torch.device, PipelineStreams] = {}
+        #: Per kind of chunk (device, state dtype), the buffer sets, and per set the event after
+        #: the last copy-out from it (``None``: nothing queued, or no streams).
+        self.buffers: dict[Kind, list[dict[str, Tensor]]] = {}
+        self.free: dict[Kind, list[torch.Event | None]] = {}
+        #: Per kind and set, a token of the last copy-in into it: a copy queued ahead of a step
+        #: is still there if its token is.
+        self.loads: dict[tuple[Kind, int], object] = {}
+        #: Per kind, the set the next step starts with (where the pool is shared).
+        self.next_set: dict[Kind, int] = {}
+        self.lock = threading.RLock()
+
+    @classmethod
+    def private(cls, num_buffers: int) -> StagingPool:
+        """A pool of one optimizer's own: every step starts at the first set."""
+        pool = cls(num_buffers)
+        pool.shared = False
+        return pool
+
+    def __repr__(self) -> str:
+        return f"StagingPool(num_buffers={self.num_buffers})"
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        """Pickled (or deep-copied) as an empty pool: buffers and streams belong to a process.
+        Optimizers pickled together share the new one, as pickle keeps one object once."""
+        return (type(self), (self.num_buffers,))
+
+    def streams_for(self, device: torch.device) -> PipelineStreams:
+        if device not in self.streams:
+            self.streams[device] = PipelineStreams(device)
+        return self.streams[device]
+
+    def grow(self, needs: dict[Kind, tuple[int, dict[str, int]]]) -> None:
+        """Allocate what :func:`staging_needs` says that the pool does not hold yet. A set
+        reallocated no longer holds what was loaded into it."""
+        for (device, dtype), (count, sizes) in needs.items():
+            if not sizes:
+                continue
+            streams = self.streams_for(device)
+            buffers = self.buffers.setdefault((device, dtype), [])
+            buffers.extend({} for _ in range(count - len(buffers)))
+            for number, buffer in enumerate(buffers):
+                for key, numel in sizes.items():
+                    if key in buffer and buffer[key].numel() >= numel:
+                        continue
+                    buffer[key] = torch.empty(numel, dtype=dtype, device=device)
+                    streams.used_by_side_streams(buffer[key])
+                    self.loads.pop(((device, dtype), number), None)
+
+    def free_events(self, kind: Kind) -> list[torch.Event | None]:
+        return self.free.setdefault(kind, [None] * self.num_buffers)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffers and gradient scratch held, on every device."""
+        return sum(
+            t.untyped_storage().nbytes()
+            for buffers in self.buffers.values()
+            for buffer in buffers
+            for t in buffer.values()
+        )
+
+    def release(self) -> None:
+        """Free the buffers (the allocator keeps their memory until the side streams' work
+        queued on them is done)."""
+        self.buffers.clear()
+        self.free.clear()
+        self.loads.clear()
+        self.next_set.clear()
+
+
 class StagingPipeline:
     """Runs an update over chunks, staging them on the parameters' device when it is not the host.
 
@@ -171,20 +289,28 @@ class StagingPipeline:
         chunk_numel: elements per chunk and per state key (a multiple of ``SPLIT_ALIGNMENT``).
         force_staging: stage through separate buffers even when parameters are on the CPU.
         num_buffers: staging buffers per device; two let one chunk load while another computes.
+        pool: the :class:`StagingPool` to stage through, shared with other pipelines; by
+            default one of its own with ``num_buffers`` sets.
     """
 
-    def __init__(self, chunk_numel: int, force_staging: bool = False, num_buffers: int = 2) -> None:
+    def __init__(
+        self,
+        chunk_numel: int,
+        force_staging: bool = False,
+        num_buffers: int = 2,
+        pool: StagingPool | None = None,
+    ) -> None:
         self.chunk_numel = chunk_numel
         self.force_staging = force_staging
-        self.num_buffers = num_buffers
-        self._streams: dict[torch.device, PipelineStreams] = {}
-        self._buffers: dict[tuple[torch.device, torch.dtype], list[dict[str, Tensor]]] = {}
+        self.pool = pool if pool is not None else StagingPool.private(num_buffers)
+        self.num_buffers = self.pool.num_buffers
+        # The event after the last copy-out into this pipeline's host buffers, per device.
         self._host_ready: dict[torch.device, torch.Event | None] = {}
-        self._free: dict[tuple[torch.device, torch.dtype], list[torch.Event | None]] = {}
         self._resident: weakref.WeakKeyDictionary[Arena, _Resident] = weakref.WeakKeyDictionary()
         # Copy-ins queued ahead of a step, by chunk position: (arena id, start, stop, staging
-        # buffer), and the event after the copy.
-        self._prefetched: dict[int, tuple[tuple[int, int, int, int], torch.Event | None]] = {}
+        # set), the event after the copy, and the load's token (see StagingPool.loads).
+        self._prefetched: dict[int, tuple[tuple[int, int, int, int], torch.Event | None, object]]
+        self._prefetched = {}
         # The host buffers are lent out as views until the next step: no copies queue ahead.
         self._views_lent = False
         #: Copies queued between steps (prefetches, write-backs of resident state): the next
@@ -207,30 +333,18 @@ class StagingPipeline:
         Buffers hold the largest chunk (at most ``chunk_numel``), so a small model does not
         reserve full-size staging; :func:`staging_needs` says how many sets of them.
         """
-        needs = staging_needs(chunks, self.stages, self.num_buffers)
-        for (device, dtype), (count, sizes) in needs.items():
-            if not sizes:
-                continue
-            streams = self._streams_for(device)
-            buffers = self._buffers.setdefault((device, dtype), [])
-            buffers.extend({} for _ in range(count - len(buffers)))
-            for buffer in buffers:
-                for key, numel in sizes.items():
-                    if key in buffer and buffer[key].numel() >= numel:
-                        continue
-                    buffer[key] = torch.empty(numel, dtype=dtype, device=device)
-                    streams.used_by_side_streams(buffer[key])
-                    self._prefetched = {}  # copies queued ahead went into the old buffers
+        with self.pool.lock:
+            self.pool.grow(staging_needs(chunks, self.stages, self.num_buffers, self.pool.shared))
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes of the staging buffers and gradient scratch held, on every device."""
-        return sum(
-            t.untyped_storage().nbytes()
-            for buffers in self._buffers.values()
-            for buffer in buffers
-            for t in buffer.values()
-        )
+        """Bytes of the staging buffers and gradient scratch held (the pool's, shared with
+        the other optimizers of a :class:`StagingPool`), on every device."""
+        return self.pool.staging_bytes
+
+    @property
+    def _streams(self) -> dict[torch.device, PipelineStreams]:
+        return self.pool.streams
 
     def set_resident(self, chosen: dict[Arena, ResidentRanges]) -> None:
         """Keep ``chosen[arena]`` of each arena on its device (buffers allocated here, filled
@@ -242,7 +356,7 @@ class StagingPipeline:
             arena.resident = ResidentRanges()
         for arena, ranges in chosen.items():
             if numel := ranges.numel:
-                streams = self._streams_for(arena.device)
+                streams = self.pool.streams_for(arena.device)
                 buffers = {}
                 for key in arena.keys:
                     buffers[key] = torch.empty(numel, dtype=arena.dtype, device=arena.device)
@@ -286,12 +400,25 @@ class StagingPipeline:
         :meth:`run` uses these copies for the same chunks in the same places."""
         if self._prefetched or self._views_lent:
             return  # queued already (another forward pass before the same step), or lent
+        with self.pool.lock:
+            self._prefetch(chunks)
+
+    def _prefetch(self, chunks: Sequence[Chunk]) -> None:
         record = self._between_steps  # with copies queued before it and dropped by a load
-        for index, (chunk, turn) in enumerate(zip(chunks, self._turns(chunks), strict=True)):
-            if chunk.resident or not self.stages(chunk.arena.device) or turn >= self.num_buffers:
+        for device in {chunk.arena.device for chunk in chunks if self.stages(chunk.arena.device)}:
+            streams = self._streams.get(device)
+            if streams is not None:  # after the last copy-out into the host buffers
+                streams.wait(streams.copy_in, self._host_ready.get(device))
+        sets, _ = self._sets(chunks)
+        taken: dict[Kind, int] = {}
+        for index, (chunk, number) in enumerate(zip(chunks, sets, strict=True)):
+            if chunk.resident or not self.stages(chunk.arena.device):
                 continue
-            number = turn  # the first turns take the buffers in order
-            buffers = self._buffers.get((chunk.arena.device, chunk.arena.dtype), [])
+            kind = (chunk.arena.device, chunk.arena.dtype)
+            taken[kind] = taken.get(kind, 0) + 1
+            if taken[kind] > self.num_buffers:  # the first chunks take the sets in order
+                continue
+            buffers = self.pool.buffers.get(kind, [])
             if len(buffers) <= number:
                 continue
             if any(
@@ -300,25 +427,27 @@ class StagingPipeline:
             ):
                 continue
             staged = {key: buffers[number][key][: chunk.numel] for key in chunk.arena.keys}
-            # The last copy-out into this chunk's host range used the same buffer (the chunks
-            # are the last step's, in the same places): the load's wait for it covers it.
             loaded = self._load(chunk, staged, number, record)
             chunk.arena.read_by(loaded)
-            self._prefetched[index] = ((id(chunk.arena), chunk.start, chunk.stop, turn), loaded)
+            position = (id(chunk.arena), chunk.start, chunk.stop, number)
+            self._prefetched[index] = (position, loaded, self.pool.loads[(kind, number)])
 
-    def _turns(self, chunks: Sequence[Chunk]) -> list[int]:
-        """Per chunk, how many staged chunks of its kind come before it. A kind's staged chunks
-        take the staging buffer sets in turn (``turn % num_buffers``), so a chunk loads while
-        the one before it computes; other chunks use the next one's gradient scratch (on the
-        update's stream, in order)."""
-        counts: dict[tuple[torch.device, torch.dtype], int] = {}
-        turns = []
+    def _sets(self, chunks: Sequence[Chunk]) -> tuple[list[int], dict[Kind, int]]:
+        """Per chunk, the staging set it takes; and per kind, the set the next step starts
+        with. A kind's staged chunks take the sets in turn, from the first (or, in a shared
+        pool, from the one after the last step's), so a chunk loads while the one before it
+        computes; other chunks use the next one's gradient scratch (on the update's stream,
+        in order)."""
+        turns: dict[Kind, int] = {}
+        sets = []
         for chunk in chunks:
             kind = (chunk.arena.device, chunk.arena.dtype)
-            turns.append(counts.get(kind, 0))
+            if kind not in turns:
+                turns[kind] = self.pool.next_set.get(kind, 0) if self.pool.shared else 0
+            sets.append(turns[kind] % self.num_buffers)
             if self.stages(chunk.arena.device) and not chunk.resident:
-                counts[kind] = turns[-1] + 1
-        return turns
+                turns[kind] += 1
+        return sets, {kind: turn % self.num_buffers for kind, turn in turns.items()}
 
     def _staged_keys(self, chunk: Chunk) -> tuple[str, ...]:
         return buffer_keys(chunk, self.stages(chunk.arena.device))
@@ -336,6 +465,10 @@ class StagingPipeline:
         which its parameters are updated (``None`` where it ran in program order). Returns the
         step's :class:`StepRecord` (also kept as :attr:`last_record`).
         """
+        with self.pool.lock:
+            return self._run(chunks, update, overlap)
+
+    def _run(self, chunks: Sequence[Chunk], update: ChunkUpdate, overlap: bool) -> StepRecord:
         record = self.take_between_steps()
         prefetched, self._prefetched = self._prefetched, {}
         self._views_lent = False  # the views' writes before this step are read now
@@ -348,32 +481,37 @@ class StagingPipeline:
             compute = computes[device] = streams.update if overlap else streams.compute()
             if overlap:  # after the backward pass (and clipping) that made the gradients
                 streams.wait(compute, streams.record(streams.compute()))
+            elif self.pool.shared:  # after another optimizer's updates using the scratch
+                streams.wait(compute, streams.record(streams.update))
             begins[device] = streams.record(compute, timing=True)
             # Staging memory may have been in use on the compute stream just before (freshly
             # allocated), and the host buffers may still be written by the last copy-out.
             streams.wait(streams.copy_in, streams.record(compute))
             streams.wait(streams.copy_in, self._host_ready.get(device))
+        sets, next_sets = self._sets(chunks)
         try:
-            for index, (chunk, turn) in enumerate(zip(chunks, self._turns(chunks), strict=True)):
+            for index, (chunk, number) in enumerate(zip(chunks, sets, strict=True)):
                 kind = (chunk.arena.device, chunk.arena.dtype)
                 is_staged = chunk.arena.device in staged
-                number = turn % self.num_buffers if is_staged else 0
+                number = number if is_staged else 0
                 keys = self._staged_keys(chunk)
-                buffer = self._buffers[kind][number] if keys else {}
+                buffer = self.pool.buffers[kind][number] if keys else {}
                 views = {key: buffer[key][: chunk.numel] for key in keys}
                 if is_staged and chunk.resident:
                     compute = computes[chunk.arena.device]
                     self.updated.append(self._run_resident(chunk, views, update, record, compute))
                 elif is_staged:
                     compute = computes[chunk.arena.device]
-                    # A copy queued ahead is this chunk's if it went to the same range and
-                    # buffer at the same turn: a plan changed since (a new resident share) may
-                    # give the range a later turn, whose buffer an earlier chunk loads first.
+                    # A copy queued ahead is this chunk's if it went to the same range and set
+                    # and no copy went there since: a plan changed since (a new resident share)
+                    # may give the range a later set or turn, and another optimizer of a shared
+                    # pool may have used the set.
                     ahead = prefetched.get(index)
                     loaded = (
                         ahead[1]
                         if ahead is not None
-                        and ahead[0] == (id(chunk.arena), chunk.start, chunk.stop, turn)
+                        and ahead[0] == (id(chunk.arena), chunk.start, chunk.stop, number)
+                        and self.pool.loads.get((kind, number)) is ahead[2]
                         else self._load(chunk, views, number, record)
                     )
                     self.updated.append(
@@ -385,6 +523,7 @@ class StagingPipeline:
         except BaseException:
             self._settle(computes, chunks)
             raise
+        self.pool.next_set.update(next_sets)
         timed_on_device = False
         for device in staged:
             streams = self._streams[device]
@@ -415,7 +554,7 @@ class StagingPipeline:
         and write it back; the event after its update."""
         device = chunk.arena.device
         streams = self._streams[device]
-        free = self._free.setdefault((device, chunk.arena.dtype), [None] * self.num_buffers)
+        free = self.pool.free_events((device, chunk.arena.dtype))
         host = chunk.host_views()
         streams.wait(compute, loaded)
         with streams.on(compute):
@@ -434,11 +573,12 @@ class StagingPipeline:
     def _load(
         self, chunk: Chunk, staged: dict[str, Tensor], number: int, record: StepRecord
     ) -> torch.Event | None:
-        """Queue the copy of a chunk's host state into staging buffer ``number``; the event
-        after it."""
+        """Queue the copy of a chunk's host state into staging set ``number`` (a new token in
+        :attr:`StagingPool.loads`); the event after it."""
         device = chunk.arena.device
         streams = self._streams[device]
-        free = self._free.setdefault((device, chunk.arena.dtype), [None] * self.num_buffers)
+        free = self.pool.free_events((device, chunk.arena.dtype))
+        self.pool.loads[((device, chunk.arena.dtype), number)] = object()
         host = chunk.host_views()
         with streams.on(streams.copy_in):
             streams.wait(streams.copy_in, free[number])  # the last copy-out from this buffer
@@ -516,11 +656,12 @@ class StagingPipeline:
     def release(self) -> None:
         """Free the staging and resident buffers once the work queued on them is done, the
         resident state written back to the host first: the next run allocates staging again,
-        and state is kept resident again once it is chosen again."""
+        and state is kept resident again once it is chosen again. A shared pool's staging is
+        freed for all its optimizers."""
         self.wait_host()
         self.set_resident({arena: ResidentRanges() for arena in self._resident})
-        self._buffers.clear()
-        self._free.clear()
+        with self.pool.lock:
+            self.pool.release()
         self._prefetched = {}
 
     def caller_waits(
@@ -554,8 +695,3 @@ class StagingPipeline:
         for event in self._host_ready.values():
             if event is not None:
                 event.synchronize()
-
-    def _streams_for(self, device: torch.device) -> PipelineStreams:
-        if device not in self._streams:
-            self._streams[device] = PipelineStreams(device)
-        return self._streams[device]

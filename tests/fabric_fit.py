@@ -83,7 +83,7 @@ def run(fabric: L.Fabric, kind: str, checkpoint: Path) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
         if kind == "offload":  # the last step returned before its updates were done
-            update = optimizer.optimizer._pipeline._streams[torch.device("cpu")].update
+            update = optimizer.optimizer._pipeline.pool.streams[torch.device("cpu")].update
             deferred.append(checker.current.clock.get(update.id, 0) < update.clock[update.id])
             optimizer.wait_for_updates()
         return full(model)

@@ -11,7 +11,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_offload_optim import OffloadAdamW, OffloadOptimizerMixin
+from lightning_offload_optim import OffloadAdamW, OffloadOptimizerMixin, StagingPool
 
 
 def torch_reference(args: dict[str, Any]) -> torch.optim.AdamW:
@@ -166,6 +166,9 @@ class TwoOptimizerModel(TinyModel):
         groups = [self.net.parameters(), self.other.parameters()]
         if self.hparams.optimizer == "offload":
             return [OffloadAdamW(g, lr=0.01, weight_decay=0.1) for g in groups]
+        if self.hparams.optimizer == "offload-pool":  # staged through one pool's buffers
+            pool = StagingPool()
+            return [OffloadAdamW(g, force_staging=True, staging_pool=pool) for g in groups]
         return [torch_reference({"params": g, "lr": 0.01, "weight_decay": 0.1}) for g in groups]
 
 

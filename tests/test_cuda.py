@@ -710,7 +710,7 @@ def test_compiled_model_with_overlap_and_resident_half_matches_torch_fused_on_cu
 
 
 def _pipeline_streams(optimizer: OffloadAdamW):
-    (streams,) = optimizer._pipeline._streams.values()
+    (streams,) = optimizer._pipeline.pool.streams.values()
     return streams
 
 

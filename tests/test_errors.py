@@ -16,7 +16,7 @@ from conftest import (
     step_together,
 )
 
-from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim import OffloadAdamW, StagingPool
 from lightning_offload_optim import pipeline as pipeline_module
 
 
@@ -80,6 +80,19 @@ def test_invalid_hyperparameters(kwargs, message):
         OffloadAdamW(make_params(), **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("num_buffers", "error", "message"),
+    [
+        (0, ValueError, "num_buffers must be at least 1, got 0"),
+        (2.0, TypeError, "num_buffers must be an int, got 2.0"),
+        (True, TypeError, "num_buffers must be an int, got True"),
+    ],
+)
+def test_a_staging_pool_needs_a_positive_int_of_buffers(num_buffers, error, message):
+    with pytest.raises(error, match=message):
+        StagingPool(num_buffers)
+
+
 def test_chunk_size_must_be_an_int():
     with pytest.raises(TypeError, match="chunk_size must be an int"):
         OffloadAdamW(make_params(), chunk_size=1e6)
@@ -93,6 +106,11 @@ def test_chunk_size_must_be_an_int():
         ({"enabled": None}, TypeError, "enabled must be a bool, got None"),  # pin_memory's "auto"
         ({"force_staging": None}, TypeError, "force_staging must be a bool, got None"),
         ({"pin_memory": "yes"}, TypeError, "pin_memory must be a bool or None, got 'yes'"),
+        (
+            {"staging_pool": 2},
+            TypeError,
+            "staging_pool must be a StagingPool or None, got 2",
+        ),
         # torch's own checks fail on these with a bare TypeError ("'<=' not supported ...").
         ({"lr": "1e-3"}, ValueError, "OffloadAdamW has lr='1e-3' \\(str\\); lr must be a finite"),
         ({"betas": 0.9}, ValueError, "OffloadAdamW has betas=0.9; betas must be a pair"),
@@ -180,7 +198,13 @@ def test_switching_amsgrad_on_after_the_first_step_is_refused():
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("enabled", False), ("chunk_size", 128), ("pin_memory", True), ("force_staging", False)],
+    [
+        ("enabled", False),
+        ("chunk_size", 128),
+        ("pin_memory", True),
+        ("force_staging", False),
+        ("staging_pool", StagingPool()),
+    ],
 )
 def test_settings_fixed_at_construction_are_refused_when_set(name, value):
     """Setting one after construction was ignored (``chunk_size``, ``pin_memory``,
@@ -284,7 +308,7 @@ def fail_allocations(monkeypatch, what: str) -> None:
 def test_allocation_failure_while_staging_leaves_everything_untouched(monkeypatch):
     opt, params = trained(force_staging=True, chunk_size=64)
     before = snapshot(opt, params)
-    opt._pipeline._buffers.clear()  # force a fresh allocation of the staging buffers
+    opt._pipeline.pool.buffers.clear()  # force a fresh allocation of the staging buffers
     fail_allocations(monkeypatch, "while staging")
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         opt.step()

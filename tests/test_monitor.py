@@ -66,6 +66,17 @@ def test_metrics_reach_the_logger_at_its_cadence(tmp_path):
     assert float(rows[-1]["offload/total_moved_bytes"]) == 6 * 2 * state_bytes
 
 
+def test_staging_shared_by_optimizers_of_one_pool_is_logged_once(tmp_path):
+    """Both optimizers report their pool's staging: summed, it was logged twice over."""
+    model = TwoOptimizerModel("offload-pool")
+    rows = logged_rows(tmp_path, model, callbacks=[OffloadMonitor(summary=False)])
+    first, second = model.trainer.optimizers
+    assert first.staging_pool is second.staging_pool
+    # Two sets of the larger optimizer's one chunk, for exp_avg and exp_avg_sq.
+    largest = max(sum(p.numel() for p in m.parameters()) for m in (model.net, model.other))
+    assert float(rows[-1]["offload/staging_bytes"]) == 2 * 2 * largest * 4
+
+
 def test_resident_and_offloaded_bytes_are_logged(tmp_path):
     model = TinyModel(force_staging=True, offload_resident=0.9, overlap_step=True)
     end = AtTrainEnd()

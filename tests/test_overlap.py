@@ -270,7 +270,7 @@ def test_step_returns_before_the_updates_and_the_forward_waits_per_module(stream
     tokens = torch.zeros(2, 3, dtype=torch.long)
     model(tokens).sum().backward()
     optimizer.step()
-    streams = optimizer._pipeline._streams[torch.device("cpu")]
+    streams = optimizer._pipeline.pool.streams[torch.device("cpu")]
     update, current = streams.update, stream_order.current
     assert current.clock.get(update.id, 0) < update.clock[update.id]  # not joined yet
     pending = optimizer._overlap.pending

@@ -355,7 +355,7 @@ def test_arenas_know_their_last_copy_out_after_an_ordinary_step(stream_order):
             p.grad, r.grad = g.clone(), g.clone()
         opt.step()
         torch_opt.step()
-    streams = opt._pipeline._streams[torch.device("cpu")]
+    streams = opt._pipeline.pool.streams[torch.device("cpu")]
     copy_out = streams.copy_out
     for arena in opt._host.arenas:
         events = [e for e in arena._in_flight if e is not None]

@@ -30,7 +30,8 @@ from torch.optim.optimizer import (
 )
 from torch.testing._internal.common_optimizers import optim_db
 
-from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim import OffloadAdamW, StagingPool
+from lightning_offload_optim.adamw import DEFAULT_CHUNK_SIZE
 
 # Direct update of host buffers (CPU params), and the staged pipeline with chunks smaller than
 # most parameters (64 elements, so a 2100-element parameter spans 33 chunks), and a middle size.
@@ -1195,13 +1196,21 @@ def step_in_backward(
     return optimizers
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["own-staging", "one-pool"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_optimizer_per_parameter_stepped_in_backward_matches_torch(dtype):
+def test_one_optimizer_per_parameter_stepped_in_backward_matches_torch(dtype, pooled):
     """Exact against torch's fused AdamW (on fp32 master copies for bf16) stepped the same way,
-    the tied weight stepped once per backward; the staging the optimizers hold together is
-    their state's size at most (one set each), not twice it."""
+    the tied weight stepped once per backward. The staging the optimizers hold together is
+    their state's size at most (one set each), not twice it; through one StagingPool, two sets
+    of the largest chunk in all (256 elements here: the embedding takes four chunks)."""
     ours, theirs = TiedNet(dtype), TiedNet(dtype)
-    offload = step_in_backward(ours, lambda p: OffloadAdamW([p], lr=0.01, force_staging=True))
+    pool, chunk = (StagingPool(), 256) if pooled else (None, DEFAULT_CHUNK_SIZE)
+    offload = step_in_backward(
+        ours,
+        lambda p: OffloadAdamW(
+            [p], lr=0.01, force_staging=True, chunk_size=chunk, staging_pool=pool
+        ),
+    )
     if dtype == torch.float32:
         reference = step_in_backward(theirs, lambda p: torch.optim.AdamW([p], lr=0.01, fused=True))
     else:
@@ -1220,5 +1229,75 @@ def test_one_optimizer_per_parameter_stepped_in_backward_matches_torch(dtype):
         assert torch.equal(state["exp_avg_sq"], expected["exp_avg_sq"])
         assert float(offload[param].state[param]["step"]) == 4
     stats = [o.memory_stats() for o in offload.values()]
+    if pooled:  # fp32 moments, and for bf16 the master copy and the gradient scratch
+        keys = 2 if dtype == torch.float32 else 4
+        assert pool.staging_bytes == 2 * chunk * 4 * keys
+        assert all(s["staging_bytes"] == pool.staging_bytes for s in stats)
+        return
     scratch = 4 * sum(p.numel() for p in ours.parameters()) if dtype == torch.bfloat16 else 0
     assert sum(s["staging_bytes"] for s in stats) == sum(s["state_bytes"] for s in stats) + scratch
+
+
+def test_optimizers_of_one_pool_overlapped_with_their_models_match_torch():
+    """Two optimizers of one StagingPool, each overlapped with its own model: each forward
+    queues its optimizer's next copies into the pool's next sets, the second model's over the
+    first's, so the first optimizer's step must load its chunks again rather than update the
+    other's state. Then one of them frees the pool's staging, and both step on alike."""
+    pool = StagingPool()
+    models = [torch.nn.Linear(8, 8) for _ in range(2)]
+    twins = copy.deepcopy(models)
+    optimizers = [
+        OffloadAdamW(m.parameters(), lr=0.01, force_staging=True, staging_pool=pool) for m in models
+    ]
+    for model, opt in zip(models, optimizers, strict=True):
+        opt.overlap_with(model)
+    references = [torch.optim.AdamW(t.parameters(), lr=0.01, fused=True) for t in twins]
+    generator = torch.Generator().manual_seed(0)
+    for step in range(6):
+        if step == 3:
+            optimizers[1].release_device_memory()
+            assert pool.staging_bytes == 0
+        x = torch.randn(4, 8, generator=generator)
+        for nets, opts in ((models, optimizers), (twins, references)):
+            sum(net(x).square().sum() for net in nets).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+    for model, twin, opt in zip(models, twins, optimizers, strict=True):
+        opt.wait_for_updates()
+        assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "torch.save"])
+def test_optimizers_of_one_pool_copied_together_share_a_new_pool(copier, tmp_path):
+    """Deep-copied or saved and loaded together (a dict of per-parameter optimizers, as one
+    object), optimizers of one pool share one new, empty pool, and step on as the originals."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    pool = StagingPool()
+    optimizers = {
+        name: OffloadAdamW([p], force_staging=True, staging_pool=pool)
+        for name, p in model.named_parameters()
+    }
+    generator = torch.Generator().manual_seed(0)
+
+    def train(net: torch.nn.Module, opts: dict[str, OffloadAdamW]) -> None:
+        net(torch.randn(4, 8, generator=generator)).sum().backward()
+        for opt in opts.values():
+            opt.step()
+            opt.zero_grad()
+
+    train(model, optimizers)
+    if copier == "deepcopy":
+        copied_model, copied = copy.deepcopy((model, optimizers))
+    else:
+        torch.save((model, optimizers), tmp_path / "both.pt")
+        copied_model, copied = torch.load(tmp_path / "both.pt", weights_only=False)
+    pools = {id(opt.staging_pool) for opt in copied.values()}
+    assert len(pools) == 1 and next(iter(copied.values())).staging_pool is not pool
+    assert next(iter(copied.values())).staging_pool.staging_bytes == 0
+    for _ in range(2):
+        state = generator.get_state()
+        train(model, optimizers)
+        generator.set_state(state)
+        train(copied_model, copied)
+    assert_same(list(model.parameters()), list(copied_model.parameters()))

@@ -27,7 +27,7 @@ from conftest import (
 from lightning_offload_optim import OffloadAdamW
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
 from lightning_offload_optim.host_state import MASTER_KEY, HostState
-from lightning_offload_optim.pipeline import StagingPipeline, plan_chunks
+from lightning_offload_optim.pipeline import StagingPipeline, StagingPool, plan_chunks
 from lightning_offload_optim.resident import ResidentRanges
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -150,7 +150,7 @@ def test_staging_buffers_are_bounded_by_chunk_size_not_model_size():
         sizes.append(
             sum(
                 t.numel()
-                for bufs in opt._pipeline._buffers.values()
+                for bufs in opt._pipeline.pool.buffers.values()
                 for b in bufs
                 for t in b.values()
             )
@@ -174,6 +174,39 @@ def test_a_step_of_one_chunk_holds_one_staging_set(dtype, bytes_per_element):
     step_together([pair], [two], torch.Generator().manual_seed(0), 2)
     assert alone.memory_stats()["staging_bytes"] == bytes_per_element * 1024
     assert pair.memory_stats()["staging_bytes"] == 2 * bytes_per_element * 1024
+
+
+def test_pipelines_of_one_pool_take_its_sets_in_turn():
+    """Pipelines of one shared pool hold two sets of the largest chunk between them, and each
+    step starts at the set after the last step's, so the next optimizer's chunk loads while the
+    last one's computes; a pipeline's own pool starts every step at its first (and, for steps
+    of one chunk, only) set."""
+    n = SPLIT_ALIGNMENT
+    params = make_params([(n,), (n,)])
+    host = laid_out(params)
+    pool = StagingPool()
+    pipelines = [StagingPipeline(n, force_staging=True, pool=pool) for _ in params]
+    own = StagingPipeline(n, force_staging=True)
+    used = []
+
+    def update(chunk, views):
+        used.append(views["exp_avg"].data_ptr())
+
+    shared_turns = list(zip(pipelines, params, strict=True))
+    alone = make_params([(n,)])
+    host.adopt(host.allocate([(alone[0], MOMENTS)]))
+    turns = [*shared_turns, *shared_turns, (own, alone[0]), (own, alone[0])]
+    for pipeline, param in turns:
+        chunks = plan_chunks([host.slots[param]], n)
+        pipeline.prepare(chunks)
+        pipeline.run(chunks, update)
+    kind = (torch.device("cpu"), torch.float32)
+    shared = [buffers["exp_avg"].data_ptr() for buffers in pool.buffers[kind]]
+    (first,) = [buffers["exp_avg"].data_ptr() for buffers in own.pool.buffers[kind]]
+    assert used == [shared[0], shared[1], shared[0], shared[1], first, first]
+    assert pool.staging_bytes == own.staging_bytes * 2 == 2 * len(MOMENTS) * n * 4
+    for pipeline in [*pipelines, own]:
+        pipeline.wait_host()
 
 
 def test_chunk_size_is_rounded_to_the_split_alignment():
@@ -591,11 +624,11 @@ def test_resident_chunks_take_no_staging_turn_so_the_first_staged_chunks_prefetc
     chunks = plan_chunks([host.slots[p] for p in params], SPLIT_ALIGNMENT)
     assert [c.resident for c in chunks] == [True, True, False, False]
     pipeline.prepare(chunks)
-    assert pipeline._turns(chunks) == [0, 0, 0, 1]
+    assert pipeline._sets(chunks)[0] == [0, 0, 0, 1]
     pipeline.run(chunks, lambda chunk, views: None)  # a step, then the next one's copies
     pipeline.prefetch(chunks)
     assert sorted(pipeline._prefetched) == [2, 3]
-    assert [key[3] for key, _ in pipeline._prefetched.values()] == [0, 1]
+    assert [key[3] for key, _, _ in pipeline._prefetched.values()] == [0, 1]
     pipeline.wait_host()
 
 
@@ -611,7 +644,7 @@ def test_each_kind_of_state_takes_its_staging_buffers_in_turn_from_the_first():
     chunks = plan_chunks([host.slots[p] for p in params], n)
     assert [c.arena for c in chunks][::2] == [c.arena for c in chunks][1::2]
     pipeline.prepare(chunks)
-    assert pipeline._turns(chunks) == [0, 1, 0, 1]
+    assert pipeline._sets(chunks)[0] == [0, 1, 0, 1]
     pipeline.run(chunks, lambda chunk, views: None)  # a step, then the next one's copies
     pipeline.prefetch(chunks)
     assert sorted(pipeline._prefetched) == [0, 1, 2, 3]
@@ -719,7 +752,7 @@ def test_copies_queued_ahead_are_the_arenas_last_use(stream_order):
     model(inputs[2])  # queues the next step's first copies
     pipeline = ours._pipeline
     assert pipeline._prefetched
-    copy_in = pipeline._streams[torch.device("cpu")].copy_in
+    copy_in = pipeline.pool.streams[torch.device("cpu")].copy_in
     for arena in ours._host.arenas:
         events = [e for e in arena._in_flight if e is not None]
         assert any(e.clock.get(copy_in.id, 0) >= copy_in.clock[copy_in.id] for e in events), (

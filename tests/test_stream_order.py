@@ -23,7 +23,7 @@ from stream_checker import StreamChecker
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import lightning_offload_optim.pipeline
-from lightning_offload_optim import OffloadAdamW, host_state
+from lightning_offload_optim import OffloadAdamW, StagingPool, host_state
 from lightning_offload_optim import adamw as adamw_module
 from lightning_offload_optim.host_state import own_storage_view
 from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, StepRecord
@@ -144,7 +144,12 @@ def scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             opt.offloaded_state(param)
         problems += _unsettled_arenas(opt)
         opt.load_state_dict(copy.deepcopy(checkpoint))
-    return problems + overlap_scenario(monkeypatch) + resident_scenario(monkeypatch)
+    return (
+        problems
+        + overlap_scenario(monkeypatch)
+        + resident_scenario(monkeypatch)
+        + shared_pool_scenario()
+    )
 
 
 def overlap_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -222,6 +227,35 @@ def resident_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return problems + _unsettled_arenas(opt) + _unsettled_arenas(overlapped)
 
 
+def shared_pool_scenario() -> list[str]:
+    """Optimizers of one :class:`StagingPool`: each step starts at the set after the last
+    step's, so an optimizer of one chunk alternates between the sets and the copies its forward
+    queues ahead go to the other set than its last copy-out from the same host range; and one
+    overlapped optimizer's updates of resident state (on the update stream) use the gradient
+    scratch that the next one, not overlapped, writes on the caller's stream. The copy streams
+    are the pool's, so the last work on them is an arena's only while one optimizer used them."""
+    pool = StagingPool()
+    model = torch.nn.Linear(8, 4)
+    ahead = OffloadAdamW(model.parameters(), force_staging=True, staging_pool=pool)
+    ahead.overlap_with(model)
+    for _ in range(3):
+        model(torch.ones(2, 8)).sum().backward()
+        ahead.step()
+    problems = _unsettled_arenas(ahead)
+    twins = [torch.nn.Linear(8, 8, dtype=torch.bfloat16) for _ in range(2)]
+    optimizers = [
+        OffloadAdamW(t.parameters(), force_staging=True, staging_pool=pool, resident=1.0)
+        for t in twins
+    ]
+    optimizers[0].overlap_with(twins[0])
+    for _ in range(3):
+        for twin in twins:
+            twin(torch.ones(2, 8, dtype=torch.bfloat16)).sum().backward()
+        for opt in optimizers:
+            opt.step()
+    return problems
+
+
 def _after_first(kind: str) -> Callable[[pytest.MonkeyPatch], None]:
     """Interrupt right after a chunk's copy-in or copy-out (``kind``) was queued, before its
     event is recorded: nothing waits for a copy-in interrupted so."""
@@ -248,7 +282,7 @@ def _unsettled_arenas(opt: OffloadAdamW) -> list[str]:
     """Pinned buffers are unregistered and freed once their arena's last-use events (its last
     write and read) are done, so after an interrupted step they must cover all work queued on
     both copy streams."""
-    streams = opt._pipeline._streams[torch.device("cpu")]
+    streams = opt._pipeline.pool.streams[torch.device("cpu")]
     problems = []
     for arena in opt._host.arenas:
         events = [e for e in arena._in_flight if e is not None]  # the last write and read
@@ -266,15 +300,15 @@ def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_harness_finds_every_ordering_step():
-    """Eleven waits, thirteen data-ordering events (four of them the ends of timed copies),
+    """Thirteen waits, fourteen data-ordering events (four of them the ends of timed copies),
     two host waits and five notes of an arena's last use today: a new one counts too."""
     kinds = [label.split(": ", 1)[1].split("(")[0].split(".")[-1] for label, _ in MUTANTS]
     assert sorted(kinds) == (
         ["event"] * 4
         + ["read_by"] * 2
-        + ["record"] * 9
+        + ["record"] * 10
         + ["synchronize"] * 2
-        + ["wait"] * 11
+        + ["wait"] * 13
         + ["written_by"] * 3
     )
 

@@ -96,7 +96,7 @@ def test_no_method_called_through_a_wrapper_keeps_anything_on_the_wrapper(stream
         "release_device_memory": wrapper.release_device_memory,
         "resident": lambda: setattr(wrapper, "resident", 0.25),
     }
-    for setting in ("enabled", "chunk_size", "pin_memory", "force_staging"):
+    for setting in ("enabled", "chunk_size", "pin_memory", "force_staging", "staging_pool"):
         calls[setting] = partial(refused_setting, wrapper, optimizer, setting)
     public = {n for n in vars(OffloadAdamW) if not n.startswith("_")} - {"step"}
     assert public <= set(calls), f"not called here: {sorted(public - set(calls))}"
@@ -121,7 +121,7 @@ def test_overlap_set_through_a_wrapper_overlaps_the_optimizers_steps(stream_orde
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
         step_alike(model, optimizer, reference, ref_opt, generator)
-    update = optimizer._pipeline._streams[torch.device("cpu")].update
+    update = optimizer._pipeline.pool.streams[torch.device("cpu")].update
     assert stream_order.current.clock.get(update.id, 0) < update.clock[update.id]
     moved = optimizer.last_step.resolve()  # each chunk once: the forward's copies were used
     assert moved.bytes_in == moved.bytes_out == optimizer.memory_stats()["state_bytes"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -57,7 +58,8 @@ class OffloadMonitor(Callback):
     ``host_bytes``                bytes   host memory the state buffers occupy (this rank)
     ``host_bytes_all_ranks``      bytes   the same summed over all ranks (per node when one node)
     ``host_pinned``               0/1     whether those buffers are page-locked (0 after a fallback)
-    ``staging_bytes``             bytes   the optimizer's staging buffers and gradient scratch
+    ``staging_bytes``             bytes   the optimizers' staging buffers and gradient scratch
+                                          (a ``StagingPool``'s counted once)
     ``peak_device_bytes``         bytes   ``torch.cuda.max_memory_allocated`` (CUDA only)
     ``total_moved_bytes``         bytes   state bytes copied both ways, over every fit of this
                                           monitor and across resumes (restored from checkpoints)
@@ -302,7 +304,7 @@ class OffloadMonitor(Callback):
             f"{p}host_bytes": host_bytes,
             f"{p}host_bytes_all_ranks": float(host_bytes_all_ranks),
             f"{p}host_pinned": float(all(m["pinned"] for m in memory)),
-            f"{p}staging_bytes": float(sum(m["staging_bytes"] for m in memory)),
+            f"{p}staging_bytes": float(sum(_staging_bytes(self._optimizers, memory))),
             f"{p}total_moved_bytes": self.totals["bytes_in"] + self.totals["bytes_out"],
             f"{p}interval_steps": sums["steps"] / world_size,
         }
@@ -439,3 +441,12 @@ def _per_step(sums: dict[str, float]) -> dict[str, float]:
 
 def _rate(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _staging_bytes(optimizers: list[OffloadAdamW], memory: list[dict]) -> Iterable[int]:
+    """Each optimizer's staging, a pool's once (its optimizers all report the pool's)."""
+    held = {
+        id(opt.staging_pool or opt): m["staging_bytes"]
+        for opt, m in zip(optimizers, memory, strict=True)
+    }
+    return held.values()
