@@ -221,6 +221,10 @@ class StagingPool:
         self.loads: dict[tuple[Kind, int], object] = {}
         #: Per kind, the set the next step starts with (where the pool is shared).
         self.next_set: dict[Kind, int] = {}
+        #: Devices where buffers were allocated (on the caller's stream) since the last step:
+        #: its copy-ins wait for the caller's stream, which may have used the memory just before.
+        #: Other steps' copy-ins need not, so the first one overlaps the end of the backward.
+        self.fresh: set[torch.device] = set()
         self.lock = threading.RLock()
 
     @classmethod
@@ -259,6 +263,7 @@ class StagingPool:
                     buffer[key] = torch.empty(numel, dtype=dtype, device=device)
                     streams.used_by_side_streams(buffer[key])
                     self.loads.pop(((device, dtype), number), None)
+                    self.fresh.add(device)
 
     def free_events(self, kind: Kind) -> list[torch.Event | None]:
         return self.free.setdefault(kind, [None] * self.num_buffers)
@@ -361,6 +366,7 @@ class StagingPipeline:
                 for key in arena.keys:
                     buffers[key] = torch.empty(numel, dtype=arena.dtype, device=arena.device)
                     streams.used_by_side_streams(buffers[key])
+                self.pool.fresh.add(arena.device)
                 self._resident[arena] = _Resident(buffers)
                 arena.resident = ranges
 
@@ -484,9 +490,10 @@ class StagingPipeline:
             elif self.pool.shared:  # after another optimizer's updates using the scratch
                 streams.wait(compute, streams.record(streams.update))
             begins[device] = streams.record(compute, timing=True)
-            # Staging memory may have been in use on the compute stream just before (freshly
-            # allocated), and the host buffers may still be written by the last copy-out.
-            streams.wait(streams.copy_in, streams.record(compute))
+            if device in self.pool.fresh:  # memory the caller's stream may have used just before
+                self.pool.fresh.discard(device)
+                streams.wait(streams.copy_in, streams.record(compute))
+            # The host buffers may still be written by the last copy-out.
             streams.wait(streams.copy_in, self._host_ready.get(device))
         sets, next_sets = self._sets(chunks)
         try:

@@ -326,6 +326,28 @@ def test_checker_fails_without_each_ordering_step(label, source, monkeypatch):
 
 
 @pytest.mark.no_stream_check  # it runs its own checker
+def test_only_a_step_that_allocated_buffers_copies_in_after_the_callers_stream():
+    """The first step allocates staging on the caller's stream, which may have used that
+    memory just before: its copy-ins wait for the stream. A later step's copy-in of its first
+    chunk does not wait for the backward that is still queued there (on a GPU the host runs
+    ahead), so the copy overlaps its end; the update waits for both."""
+    from lightning_offload_optim import streams
+
+    (param,) = make_params([(64,)])
+    opt = OffloadAdamW([param], force_staging=True)
+    with StreamChecker() as checker:
+        caller = streams.device_module(torch.device("cpu")).current_stream()
+        for step in range(2):
+            param.grad = torch.ones(64) * (step + 1)  # the end of a backward, on the caller's
+            written = caller.clock[caller.id]
+            opt.step()
+            copy_in = opt._pipeline.pool.streams[torch.device("cpu")].copy_in
+            waited = copy_in.clock.get(caller.id, 0) >= written
+            assert waited == (step == 0), f"step {step}: copy-in after the backward: {waited}"
+    checker.expect_none()
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
 @pytest.mark.parametrize("offset", [0, 64], ids=["at-the-start", "inside"])
 def test_accesses_through_a_slice_of_a_host_buffer_are_the_buffers(offset):
     """``state_dict()`` lends views whose storages are slices of the host buffers. An access
