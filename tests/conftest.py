@@ -363,3 +363,34 @@ def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
         assert torch.equal(x.detach().cpu(), y.detach().cpu()), (
             f"tensor {i}: max diff {(x.detach().cpu() - y.detach().cpu()).abs().max()}"
         )
+
+
+class TiedNet(torch.nn.Module):
+    """An embedding whose weight the output projection reuses, and a layer in between."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 16, dtype=dtype)
+        self.hidden = torch.nn.Linear(16, 16, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.hidden(self.embed(tokens)))
+        return (hidden @ self.embed.weight.T).float().logsumexp(-1).mean()
+
+
+def step_in_backward(
+    model: torch.nn.Module, make: Callable[[torch.Tensor], Any]
+) -> dict[torch.Tensor, Any]:
+    """One optimizer per parameter, stepped (and its gradient freed) as soon as backward has
+    accumulated the parameter's gradient: the PyTorch tutorial's "optimizer step in backward",
+    torchtune's ``optimizer_in_bwd``."""
+    optimizers = {p: make(p) for p in model.parameters()}
+
+    def step(param: torch.Tensor) -> None:
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(step)
+    return optimizers

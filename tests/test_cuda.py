@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import (
     MasterCopyAdamW,
+    TiedNet,
     assert_same,
     clamp_alike,
     clone_params,
@@ -19,11 +20,12 @@ from conftest import (
     make_params,
     sequence_parallel,
     set_grads,
+    step_in_backward,
     step_together,
 )
 from torch import nn
 
-from lightning_offload_optim import OffloadAdamW
+from lightning_offload_optim import OffloadAdamW, StagingPool
 from lightning_offload_optim.host_state import PAGE_SIZE
 
 pytestmark = pytest.mark.cuda
@@ -753,6 +755,51 @@ def test_the_next_steps_first_copies_run_during_the_backward_pass():
     optimizer.step()  # uses those copies
     optimizer.wait_for_updates()
     assert not torch.isnan(next(model.parameters())).any()
+
+
+def test_a_steps_copy_in_runs_while_the_backward_still_computes():
+    """A step not overlapped queues its copy-in with no wait for the backward still queued on
+    the caller's stream (only a step that allocated buffers waits): the trainable first
+    layer's state (one chunk) is on the device before the frozen layers' backward ends."""
+    trainable = nn.Linear(4096, 4096, bias=False)
+    frozen = [nn.Linear(4096, 4096).requires_grad_(False) for _ in range(6)]
+    model = nn.Sequential(trainable, *frozen).to(CUDA)
+    optimizer = OffloadAdamW(trainable.parameters(), chunk_size=1 << 24)
+    x = torch.randn(8192, 4096, device=CUDA)
+    for _ in range(2):  # the first step allocates the staging
+        model(x).square().mean().backward()
+        optimizer.step()
+    model(x).square().mean().backward()
+    backward_done = _timed_event()
+    optimizer.step()
+    copies_done = _timed_event(_pipeline_streams(optimizer).copy_in)
+    torch.cuda.synchronize()
+    assert copies_done.elapsed_time(backward_done) > 0, "the copy-in waited for the backward"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_optimizers_of_one_pool_stepped_in_backward_match_torch_on_cuda(dtype):
+    """One OffloadAdamW per parameter, stepped in backward through one StagingPool: exact
+    against torch stepped the same way, the pool's two sets of the largest chunk the only
+    staging."""
+    ours, theirs = TiedNet(dtype).to(CUDA), TiedNet(dtype).to(CUDA)
+    pool = StagingPool()
+    offload = step_in_backward(
+        ours, lambda p: OffloadAdamW([p], lr=0.01, chunk_size=256, staging_pool=pool)
+    )
+    if dtype == torch.float32:
+        step_in_backward(theirs, lambda p: torch.optim.AdamW([p], lr=0.01, fused=True))
+    else:
+        step_in_backward(theirs, lambda p: MasterCopyAdamW([{"params": [p]}], lr=0.01))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        tokens = torch.randint(50, (4, 6), generator=generator).to(CUDA)
+        ours(tokens).backward()
+        theirs(tokens).backward()
+    assert_same(list(ours.parameters()), list(theirs.parameters()))
+    keys = 2 if dtype == torch.float32 else 4  # the moments; the master copy, the scratch
+    assert pool.staging_bytes == 2 * 256 * 4 * keys
+    assert all(o.memory_stats()["staging_bytes"] == pool.staging_bytes for o in offload.values())
 
 
 def test_ddp_bucket_views_with_a_head_skipped_on_odd_steps_match_torch_on_cuda(tmp_path):

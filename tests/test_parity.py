@@ -7,14 +7,13 @@ calls the same kernel; within fp32 rounding of torch's default (for-loop/foreach
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 from conftest import (
     SHAPES,
     MasterCopyAdamW,
+    TiedNet,
     accelerator_seen,
     assert_same,
     assert_state_offloaded,
@@ -22,6 +21,7 @@ from conftest import (
     exact_reference,
     make_params,
     set_grads,
+    step_in_backward,
     step_together,
 )
 from torch.optim.optimizer import (
@@ -1163,37 +1163,6 @@ def test_a_step_count_tensor_written_into_several_entries_counts_for_each(settin
     ours.load_state_dict(saved)
     theirs.load_state_dict(twins)
     assert train(inputs[4:]) == [9.0, 9.0, 9.0, 8.0]
-
-
-class TiedNet(torch.nn.Module):
-    """An embedding whose weight the output projection reuses, and a layer in between."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(50, 16, dtype=dtype)
-        self.hidden = torch.nn.Linear(16, 16, dtype=dtype)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = torch.tanh(self.hidden(self.embed(tokens)))
-        return (hidden @ self.embed.weight.T).float().logsumexp(-1).mean()
-
-
-def step_in_backward(
-    model: torch.nn.Module, make: Callable[[torch.Tensor], Any]
-) -> dict[torch.Tensor, Any]:
-    """One optimizer per parameter, stepped (and its gradient freed) as soon as backward has
-    accumulated the parameter's gradient: the PyTorch tutorial's "optimizer step in backward",
-    torchtune's ``optimizer_in_bwd``."""
-    optimizers = {p: make(p) for p in model.parameters()}
-
-    def step(param: torch.Tensor) -> None:
-        optimizers[param].step()
-        optimizers[param].zero_grad()
-
-    for param in model.parameters():
-        param.register_post_accumulate_grad_hook(step)
-    return optimizers
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["own-staging", "one-pool"])
