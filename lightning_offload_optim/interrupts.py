@@ -16,6 +16,7 @@ from that mix.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # CPython's, which signal wraps
 import contextlib
 import signal
 import sys
@@ -27,6 +28,12 @@ from typing import Any
 #: A second SIGINT this soon after the first is the same Ctrl-C, sent twice (launchers such as
 #: ``pixi run`` forward the terminal's signal to a child that received it too).
 SAME_PRESS_SECONDS = 0.5
+
+# signal.getsignal and signal.signal wrap each answer in an enum (about 1 and 3.5 µs a call,
+# paid several times per update); _signal's, which they wrap, answer the same without it
+# (SIG_DFL and SIG_IGN as plain ints: compare them with ==).
+_getsignal = _signal.getsignal
+_setsignal = _signal.signal
 
 #: Held during updates where a Python handler takes them (not where they end the process at
 #: once, as by default: nothing is saved then). SLURM's ``--signal`` and Lightning's
@@ -45,7 +52,7 @@ def deliver_sigint(handler: Any) -> None:
     sent again: an event loop's wakeup file descriptor heard of it once already."""
     if callable(handler):
         handler(signal.SIGINT, sys._getframe(1))
-    elif handler is signal.SIG_DFL:
+    elif handler == signal.SIG_DFL:
         signal.raise_signal(signal.SIGINT)
 
 
@@ -74,12 +81,12 @@ class SigintHold:
 
     @property
     def holding(self) -> bool:
-        return self._handler is not None and signal.getsignal(signal.SIGINT) is self._handler
+        return self._handler is not None and _getsignal(signal.SIGINT) is self._handler
 
     @staticmethod
     def current() -> SigintHold | None:
         """The hold holding SIGINT now, if any; one whose owner stopped is ended here."""
-        handler = signal.getsignal(signal.SIGINT)
+        handler = _getsignal(signal.SIGINT)
         owner = getattr(handler, "__self__", None)
         if not isinstance(owner, SigintHold) or not owner.holding:
             return None
@@ -89,7 +96,7 @@ class SigintHold:
         return owner
 
     def start(self) -> None:
-        meant_for = signal.getsignal(signal.SIGINT)
+        meant_for = _getsignal(signal.SIGINT)
         if (
             threading.current_thread() is not threading.main_thread()
             or meant_for is None  # set outside Python: it could not be given back
@@ -98,12 +105,12 @@ class SigintHold:
             return
         self.arrived, self._insisted, self._meant_for = False, False, meant_for
         self._handler = self._hold  # one bound method: what getsignal() gives back
-        signal.signal(signal.SIGINT, self._handler)
+        _setsignal(signal.SIGINT, self._handler)
 
     def _hold(self, signum: int, frame: Any) -> None:
         if self._handler is None:  # ended, yet installed again (a saved handler restored)
-            if signal.getsignal(signal.SIGINT) == self._hold:
-                signal.signal(signal.SIGINT, self._meant_for)
+            if _getsignal(signal.SIGINT) == self._hold:
+                _setsignal(signal.SIGINT, self._meant_for)
             deliver_sigint(self._meant_for)
         elif not self._alive():
             self.arrived = True
@@ -128,8 +135,8 @@ class SigintHold:
         it is not: it was not meant for that one."""
         meant_for, holding = self._meant_for, self.holding
         if holding:
-            signal.signal(signal.SIGINT, meant_for)
-        given_back = holding or signal.getsignal(signal.SIGINT) is meant_for
+            _setsignal(signal.SIGINT, meant_for)
+        given_back = holding or _getsignal(signal.SIGINT) == meant_for
         arrived, self.arrived, self._handler = self.arrived, False, None
         if arrived and deliver and given_back:
             deliver_sigint(meant_for)
@@ -194,11 +201,11 @@ class NoticeHold:
     def start(self) -> None:
         self._holding = True
         for signum in NOTICE_SIGNALS:
-            handler = signal.getsignal(signum)
+            handler = _getsignal(signum)
             outer = getattr(handler, "__self__", None)
             if callable(handler) and not (isinstance(outer, NoticeHold) and outer._holding):
                 self._meant_for[signum] = handler  # (an outer hold holding it holds on)
-                signal.signal(signum, self._note)
+                _setsignal(signum, self._note)
 
     def _note(self, signum: int, frame: Any) -> None:
         if self._holding and self._alive():
@@ -210,8 +217,8 @@ class NoticeHold:
         # Ended, yet called: installed again (a saved handler restored) or called by a handler
         # that took this one over and calls it (Lightning composes the handlers it finds).
         handler = self._meant_for[signum]
-        if signal.getsignal(signum) == self._note:
-            signal.signal(signum, handler)
+        if _getsignal(signum) == self._note:
+            _setsignal(signum, handler)
         handler(signum, frame)
 
     def end(self, deliver: bool = True) -> None:
@@ -220,9 +227,9 @@ class NoticeHold:
         self._holding = False
         given_back = []
         for signum, handler in self._meant_for.items():
-            if signal.getsignal(signum) == self._note:  # bound methods: equal, not identical
-                signal.signal(signum, handler)
-            if signal.getsignal(signum) == handler:
+            if _getsignal(signum) == self._note:  # bound methods: equal, not identical
+                _setsignal(signum, handler)
+            if _getsignal(signum) == handler:
                 given_back.append(signum)
         arrived, self._arrived = self._arrived, []
         if deliver:

@@ -376,7 +376,7 @@ def test_holds_that_cannot_hold_change_nothing(monkeypatch):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     elsewhere = interrupts.SigintHold()
     assert errors_in_another_thread(lambda: (elsewhere.start(), elsewhere.end())) == []
-    monkeypatch.setattr(signal, "getsignal", lambda signum: None)
+    monkeypatch.setattr(interrupts, "_getsignal", lambda signum: None)
     outside = interrupts.SigintHold()
     outside.start()
     outside.end()
