@@ -175,6 +175,19 @@ def _stepping_wrapper(optimizer: OffloadAdamW) -> str | None:
     return None
 
 
+def _one_pool_step_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` holding the lock of the optimizer's staging pool, so that another
+    optimizer of the pool (a backward hook in another thread) cannot release or regrow the
+    buffers between this step's allocations and its update."""
+
+    @wraps(method)
+    def holding(optimizer: OffloadAdamW, *args: Any, **kwargs: Any) -> Any:
+        with optimizer._pipeline.pool.lock:
+            return method(optimizer, *args, **kwargs)
+
+    return holding
+
+
 def _on_the_optimizer(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``method`` on the optimizer a Lightning or Fabric wrapper stands for (see
     :func:`_unwrapped`). Every public method that sets an attribute of the optimizer needs it;
@@ -451,6 +464,7 @@ class OffloadAdamW(torch.optim.AdamW):
     # traced, its copies and streams failed inside the update, after the step counts advanced.
     @torch.compiler.disable
     @_outside_inference_mode
+    @_one_pool_step_at_a_time
     def _offloaded_step(self) -> None:
         self._refuse_if_interrupted()
         grad_scale, skip = amp_scaling(self)

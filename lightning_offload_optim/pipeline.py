@@ -187,7 +187,10 @@ class StagingPool:
     PyTorch tutorial's "optimizer step in backward"); without a pool they would hold about
     their whole state on the device again, one set each.
 
-    The optimizers of a pool step one at a time (a lock orders calls from several threads).
+    The optimizers of a pool step one at a time: a lock orders their steps, the copies they
+    queue ahead and their releases, called from several threads (autograd runs each device's
+    backward hooks in a thread of its own). Each may step on a stream of the caller's; the pool orders its steps
+    one after another on the device too, whatever their streams.
     ``release_device_memory()`` of any of them frees the pool's buffers; the next step
     allocates them again. Pickled or deep-copied together, optimizers share a new pool.
 
@@ -225,6 +228,10 @@ class StagingPool:
         #: its copy-ins wait for the caller's stream, which may have used the memory just before.
         #: Other steps' copy-ins need not, so the first one overlaps the end of the backward.
         self.fresh: set[torch.device] = set()
+        #: Per device, the streams updates ran on (their buffers' memory is freed only after
+        #: the work queued there), and the event after the last step's updates.
+        self.computes: dict[torch.device, set[torch.Stream]] = {}
+        self.last_update: dict[torch.device, torch.Event | None] = {}
         self.lock = threading.RLock()
 
     @classmethod
@@ -260,6 +267,8 @@ class StagingPool:
                 for key, numel in sizes.items():
                     if key in buffer and buffer[key].numel() >= numel:
                         continue
+                    if key in buffer:
+                        self.retire(device, [buffer[key]])
                     buffer[key] = torch.empty(numel, dtype=dtype, device=device)
                     streams.used_by_side_streams(buffer[key])
                     self.loads.pop(((device, dtype), number), None)
@@ -267,6 +276,18 @@ class StagingPool:
 
     def free_events(self, kind: Kind) -> list[torch.Event | None]:
         return self.free.setdefault(kind, [None] * self.num_buffers)
+
+    def updated_on(self, device: torch.device, stream: torch.Stream | None) -> None:
+        """A step's updates run on ``stream`` (a caller's, or the update stream)."""
+        if isinstance(stream, torch.Stream):
+            self.computes.setdefault(device, set()).add(stream)
+
+    def retire(self, device: torch.device, tensors: Iterable[Tensor]) -> None:
+        """Buffers about to be freed: their memory goes back to the stream that allocated
+        them, for its next allocation, only after the updates queued on other streams."""
+        for tensor in tensors:
+            for stream in self.computes.get(device, ()):
+                tensor.record_stream(stream)
 
     @property
     def staging_bytes(self) -> int:
@@ -281,6 +302,8 @@ class StagingPool:
     def release(self) -> None:
         """Free the buffers (the allocator keeps their memory until the side streams' work
         queued on them is done)."""
+        for (device, _), buffers in self.buffers.items():
+            self.retire(device, [t for buffer in buffers for t in buffer.values()])
         self.buffers.clear()
         self.free.clear()
         self.loads.clear()
@@ -357,7 +380,8 @@ class StagingPipeline:
         so that resident state that is newer than the host's is not lost. If an allocation
         fails (out of device memory), the arenas not yet given buffers keep nothing resident."""
         for arena in chosen:  # the old buffers are freed first: the new ones may reuse them
-            self._resident.pop(arena, None)
+            if (old := self._resident.pop(arena, None)) is not None:
+                self.pool.retire(arena.device, old.buffers.values())
             arena.resident = ResidentRanges()
         for arena, ranges in chosen.items():
             if numel := ranges.numel:
@@ -419,6 +443,8 @@ class StagingPipeline:
         taken: dict[Kind, int] = {}
         for index, (chunk, number) in enumerate(zip(chunks, sets, strict=True)):
             if chunk.resident or not self.stages(chunk.arena.device):
+                continue
+            if chunk.arena.device in self.pool.fresh:  # the next step's copies wait for those
                 continue
             kind = (chunk.arena.device, chunk.arena.dtype)
             taken[kind] = taken.get(kind, 0) + 1
@@ -487,8 +513,9 @@ class StagingPipeline:
             compute = computes[device] = streams.update if overlap else streams.compute()
             if overlap:  # after the backward pass (and clipping) that made the gradients
                 streams.wait(compute, streams.record(streams.compute()))
-            elif self.pool.shared:  # after another optimizer's updates using the scratch
-                streams.wait(compute, streams.record(streams.update))
+            if self.pool.shared:  # after the pool's last step, on whatever stream it ran
+                streams.wait(compute, self.pool.last_update.get(device))
+            self.pool.updated_on(device, compute)
             begins[device] = streams.record(compute, timing=True)
             if device in self.pool.fresh:  # memory the caller's stream may have used just before
                 self.pool.fresh.discard(device)
@@ -531,6 +558,10 @@ class StagingPipeline:
             self._settle(computes, chunks)
             raise
         self.pool.next_set.update(next_sets)
+        if self.pool.shared:
+            for device in staged:
+                streams = self._streams[device]
+                self.pool.last_update[device] = streams.record(computes[device])
         timed_on_device = False
         for device in staged:
             streams = self._streams[device]
@@ -650,12 +681,17 @@ class StagingPipeline:
         copies and updates may have been queued whose events were never recorded. Order the
         copy-out stream after all of them, as a finished run does, and mark its work so far
         as the host buffers' last use, so that reading them (:meth:`wait_host`) or freeing
-        them waits for it."""
+        them waits for it, and as the last use of every staging set of the pool (which other
+        optimizers of a shared one go on using) and the pool's last update."""
         for device, compute in computes.items():
             streams = self._streams[device]
             streams.wait(streams.copy_out, streams.record(streams.copy_in))
             streams.wait(streams.copy_out, streams.record(compute))
-            self._host_ready[device] = streams.record(streams.copy_out)
+            settled = self._host_ready[device] = streams.record(streams.copy_out)
+            self.pool.last_update[device] = settled
+            for kind, free in self.pool.free.items():
+                if kind[0] == device:
+                    free[:] = [settled] * len(free)
         for chunk in chunks:
             if chunk.arena.device in computes:
                 chunk.arena.written_by(self._host_ready[chunk.arena.device])
@@ -665,11 +701,11 @@ class StagingPipeline:
         resident state written back to the host first: the next run allocates staging again,
         and state is kept resident again once it is chosen again. A shared pool's staging is
         freed for all its optimizers."""
-        self.wait_host()
-        self.set_resident({arena: ResidentRanges() for arena in self._resident})
         with self.pool.lock:
+            self.wait_host()
+            self.set_resident({arena: ResidentRanges() for arena in self._resident})
             self.pool.release()
-        self._prefetched = {}
+            self._prefetched = {}
 
     def caller_waits(
         self, event: torch.Event | None, device: torch.device, stream: torch.Stream | None = None
@@ -692,6 +728,10 @@ class StagingPipeline:
     def wait_host(self) -> None:
         """Block until every staged chunk and all resident state have been written back to the
         host buffers; order the caller's streams after every queued update (on the device)."""
+        with self.pool.lock:
+            self._wait_host()
+
+    def _wait_host(self) -> None:
         self._flush_resident()
         self.join_updates()
         # Copies still reading the host buffers: those queued ahead, also ones a changed plan

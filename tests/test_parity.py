@@ -7,6 +7,10 @@ calls the same kernel; within fp32 rounding of torch's default (for-loop/foreach
 from __future__ import annotations
 
 import copy
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -1235,6 +1239,47 @@ def test_optimizers_of_one_pool_overlapped_with_their_models_match_torch():
     for model, twin, opt in zip(models, twins, optimizers, strict=True):
         opt.wait_for_updates()
         assert_same(list(model.parameters()), list(twin.parameters()))
+
+
+@pytest.mark.no_stream_check  # the checker's dispatch mode is the main thread's only
+def test_a_release_from_another_thread_waits_for_a_step_of_the_pool():
+    """Autograd runs each device's backward hooks in a thread of its own: another optimizer of
+    the pool freeing its buffers (``release_device_memory``) between a step's allocations and
+    its update would fail that update partway. The pool's lock makes it wait for the step."""
+    pool = StagingPool()
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    twin = copy.deepcopy(models[0])
+    stepping, releasing = (
+        OffloadAdamW(m.parameters(), lr=0.01, force_staging=True, staging_pool=pool) for m in models
+    )
+    reference = torch.optim.AdamW(twin.parameters(), lr=0.01, fused=True)
+    prepared = threading.Event()
+    real_run = stepping._pipeline.run
+
+    def run_later(*args, **kwargs):
+        prepared.set()
+        time.sleep(0.2)  # the other thread's release comes now
+        return real_run(*args, **kwargs)
+
+    stepping._pipeline.run = run_later
+    for net in (models[0], twin):
+        net(torch.ones(2, 4)).sum().backward()
+    errors = []
+    thread = threading.Thread(target=lambda: _record_errors(stepping.step, errors))
+    thread.start()
+    prepared.wait(5)
+    releasing.release_device_memory()
+    thread.join()
+    assert errors == []
+    reference.step()
+    assert_same(list(models[0].parameters()), list(twin.parameters()))
+
+
+def _record_errors(call: Callable[[], Any], errors: list[BaseException]) -> None:
+    try:
+        call()
+    except BaseException as error:
+        errors.append(error)
 
 
 @pytest.mark.parametrize("copier", ["deepcopy", "torch.save"])

@@ -348,6 +348,97 @@ def test_only_a_step_that_allocated_buffers_copies_in_after_the_callers_stream()
 
 
 @pytest.mark.no_stream_check  # it runs its own checker
+@pytest.mark.parametrize("grow", [False, True], ids=["same-sets", "sets-regrown"])
+def test_optimizers_of_one_pool_on_streams_of_their_own_are_ordered(grow):
+    """Each optimizer of a pool stepped on a stream of the caller's, the streams ordered only
+    after the backward and before the next one (as for torch's AdamW): with resident bf16
+    state their updates share the pool's gradient scratch, which the pool orders; and sets
+    regrown (a larger optimizer's step) keep their memory from the stream that allocated them
+    until the updates on the others are done."""
+    sizes = [8, 8, 24] if grow else [8, 8]
+    models = [torch.nn.Linear(n, n, dtype=torch.bfloat16) for n in sizes]
+    pool = StagingPool()
+    optimizers = [
+        OffloadAdamW(m.parameters(), force_staging=True, staging_pool=pool, resident=1.0)
+        for m in models
+    ]
+    with StreamChecker() as checker:
+        caller = torch.cpu.current_stream()
+        own = [torch.cpu.Stream() for _ in models]
+        for _ in range(3):
+            for model in models:
+                x = torch.ones(2, model.in_features, dtype=torch.bfloat16)
+                model(x).float().sum().backward()
+            for opt, stream in zip(optimizers, own, strict=True):
+                stream.wait_stream(caller)
+                with torch.cpu.stream(stream):
+                    opt.step()
+                    opt.zero_grad()
+                with torch.cpu.stream(own[0]):
+                    torch.empty(64).fill_(1.0)  # the first stream allocates meanwhile
+            for stream in own:
+                caller.wait_stream(stream)
+    checker.expect_none()
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+def test_an_update_failed_partway_leaves_the_pools_sets_to_the_next_optimizer_ordered():
+    """A step failing after a chunk's update was queued, before its copy-out: the set it used
+    is the next optimizer's (the pool's next set), whose copy-in must come after that update."""
+    pool = StagingPool()
+    models = [torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(8, 8, bias=False)]
+    failing, other = (
+        OffloadAdamW(m.parameters(), force_staging=True, staging_pool=pool, chunk_size=64)
+        for m in models
+    )
+    real = adamw_module.adamw_update
+
+    def update_then_fail(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("simulated fault after the first chunk's update was queued")
+
+    with StreamChecker() as checker:
+        for opt, model in ((failing, models[0]), (other, models[1])):
+            model(torch.ones(2, model.in_features)).sum().backward()
+            opt.step()
+        models[0](torch.ones(2, 16)).sum().backward()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(adamw_module, "adamw_update", update_then_fail)
+            with pytest.raises(RuntimeError, match="simulated fault"):
+                failing.step()
+        models[1](torch.ones(2, 8)).sum().backward()
+        other.step()
+        other.offloaded_state(models[1].weight)
+    checker.expect_none()
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
+def test_no_copies_are_queued_ahead_into_buffers_a_step_allocated_then_failed():
+    """A step that grew the pool's sets and then failed before its update (all or nothing: the
+    step counts' copies failed) leaves the new buffers to the next step, which waits for the
+    caller's stream that allocated them: a forward's copies queued ahead into them would not."""
+    pool = StagingPool()
+    small, large = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(32, 16, bias=False)
+    ahead = OffloadAdamW(small.parameters(), force_staging=True, staging_pool=pool)
+    grows = OffloadAdamW(large.parameters(), force_staging=True, staging_pool=pool)
+    ahead.overlap_with(small)
+    with StreamChecker() as checker:
+        for _ in range(2):
+            small(torch.ones(2, 8)).sum().backward()
+            ahead.step()
+            ahead.zero_grad()
+        large(torch.ones(2, 32)).sum().backward()
+        with pytest.MonkeyPatch.context() as patch:
+            fail_on_call(patch, OffloadAdamW, "_steps_on_devices", 1, torch.OutOfMemoryError())
+            with pytest.raises(torch.OutOfMemoryError):
+                grows.step()
+        small(torch.ones(2, 8)).sum().backward()  # queues the next copies ahead
+        ahead.step()
+        ahead.wait_for_updates()
+    checker.expect_none()
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
 @pytest.mark.parametrize("offset", [0, 64], ids=["at-the-start", "inside"])
 def test_accesses_through_a_slice_of_a_host_buffer_are_the_buffers(offset):
     """``state_dict()`` lends views whose storages are slices of the host buffers. An access
