@@ -322,6 +322,23 @@ def test_copies_of_the_optimizer_keep_the_state_and_own_their_buffers(mode, copi
     )
 
 
+def test_an_optimizer_pickled_before_staging_pools_existed_unpickles_with_staging_of_its_own():
+    """Pickles made before the ``staging_pool`` setting lack it: the optimizer comes back with
+    staging of its own and steps on exactly as the original."""
+    params = make_params()
+    offload = OffloadAdamW(params, lr=0.01, force_staging=True)
+    step_together([offload], [params], torch.Generator().manual_seed(3), 2)
+    state = offload.__getstate__()
+    del state["staging_pool"]
+    old = type(offload).__new__(type(offload))
+    old.__setstate__(pickle.loads(pickle.dumps(state)))
+    assert old.staging_pool is None and not old._pipeline.pool.shared
+    twin_params = params_of(old)
+    step_together([old], [twin_params], torch.Generator().manual_seed(4), 2)
+    step_together([offload], [params], torch.Generator().manual_seed(4), 2)
+    assert_same(twin_params, params)
+
+
 @pytest.mark.parametrize(
     "settings, fused",
     [({"force_staging": True, "chunk_size": 64}, True), ({"enabled": False}, None)],
