@@ -33,7 +33,7 @@ from lightning_offload_optim.host_state import (
     Slot,
     state_keys,
 )
-from lightning_offload_optim.interrupts import signals_held
+from lightning_offload_optim.interrupts import notices_held, signals_held
 from lightning_offload_optim.overlap import ForwardOverlap
 from lightning_offload_optim.pipeline import (
     GRAD_KEY,
@@ -178,11 +178,13 @@ def _stepping_wrapper(optimizer: OffloadAdamW) -> str | None:
 def _one_pool_step_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``method`` holding the lock of the optimizer's staging pool, so that another
     optimizer of the pool (a backward hook in another thread) cannot release or regrow the
-    buffers between this step's allocations and its update."""
+    buffers between this step's allocations and its update. A scheduler's notice waits until
+    the lock is released: its handler may wait for a thread that needs the pool (one saving
+    state). (A Ctrl-C still stops the step before its update, or is raised right after it.)"""
 
     @wraps(method)
     def holding(optimizer: OffloadAdamW, *args: Any, **kwargs: Any) -> Any:
-        with optimizer._pipeline.pool.lock:
+        with notices_held(), optimizer._pipeline.pool.lock:
             return method(optimizer, *args, **kwargs)
 
     return holding

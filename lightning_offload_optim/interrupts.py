@@ -162,20 +162,34 @@ def signals_held() -> Iterator[None]:
     if hold is None:
         hold = SigintHold()
         hold.start()
+    hold.updating += 1
+    try:
+        with notices_held():
+            try:
+                yield
+            finally:  # an insisting Ctrl-C in a notice's handler is raised there
+                hold.updating -= 1
+    finally:
+        if own:
+            hold.end()
+        else:
+            hold.update_ended()
+
+
+@contextlib.contextmanager
+def notices_held() -> Iterator[None]:
+    """Hold the :data:`NOTICE_SIGNALS` handled in Python (not SIGINT) until the block ends,
+    then run their handlers (:class:`NoticeHold`): for a block whose end a handler could wait
+    for, such as a step holding a lock that a handler's worker thread needs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     notices = NoticeHold()
     notices.start()
-    hold.updating += 1
     try:
         yield
     finally:
-        hold.updating -= 1
-        try:
-            notices.end()
-        finally:
-            if own:
-                hold.end()
-            else:
-                hold.update_ended()
+        notices.end()
 
 
 class NoticeHold:

@@ -189,8 +189,8 @@ class StagingPool:
 
     The optimizers of a pool step one at a time: a lock orders their steps, the copies they
     queue ahead and their releases, called from several threads (autograd runs each device's
-    backward hooks in a thread of its own). Each may step on a stream of the caller's; the pool orders its steps
-    one after another on the device too, whatever their streams.
+    backward hooks in a thread of its own). Each may step on a stream of the caller's; the
+    pool orders its steps one after another on the device too, whatever their streams.
     ``release_device_memory()`` of any of them frees the pool's buffers; the next step
     allocates them again. Pickled or deep-copied together, optimizers share a new pool.
 
@@ -503,7 +503,7 @@ class StagingPipeline:
     def _run(self, chunks: Sequence[Chunk], update: ChunkUpdate, overlap: bool) -> StepRecord:
         record = self.take_between_steps()
         prefetched, self._prefetched = self._prefetched, {}
-        self._views_lent = False  # the views' writes before this step are read now
+        lent, self._views_lent = self._views_lent, False  # their writes are read now
         started = time.perf_counter()
         staged = {chunk.arena.device for chunk in chunks if self.stages(chunk.arena.device)}
         begins, computes = {}, {}
@@ -517,7 +517,9 @@ class StagingPipeline:
                 streams.wait(compute, self.pool.last_update.get(device))
             self.pool.updated_on(device, compute)
             begins[device] = streams.record(compute, timing=True)
-            if device in self.pool.fresh:  # memory the caller's stream may have used just before
+            # Memory the caller's stream may have used just before (just allocated), or host
+            # buffers it may still write (through views lent, with non-blocking copies).
+            if device in self.pool.fresh or lent:
                 self.pool.fresh.discard(device)
                 streams.wait(streams.copy_in, streams.record(compute))
             # The host buffers may still be written by the last copy-out.

@@ -35,7 +35,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning_models import TinyModel, make_data, trainer
 from torch.utils.data import DataLoader
 
-from lightning_offload_optim import OffloadAdamW, OffloadMonitor, interrupts
+from lightning_offload_optim import OffloadAdamW, OffloadMonitor, StagingPool, interrupts
 from lightning_offload_optim import adamw as adamw_module
 from lightning_offload_optim.interrupts import signals_held
 from lightning_offload_optim.lightning.batch_interrupt import (
@@ -900,6 +900,34 @@ def test_a_notice_handler_saving_during_the_update_saves_the_whole_step(monkeypa
     for index, entry in torch_opt.state_dict()["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state["state"][index][key], entry[key]), (index, key)
+
+
+@pytest.mark.no_stream_check  # the checker's dispatch mode is the main thread's only
+def test_a_notice_handler_waiting_for_a_thread_that_saves_optimizers_of_one_pool(monkeypatch):
+    """A preemptible job's SIGTERM handler saves the optimizers' state in a worker thread and
+    waits for it. Held during a step, it runs once the step has let go of its staging pool's
+    lock, which the worker's ``state_dict()`` of an optimizer of the pool needs: run inside
+    the step, worker and handler waited for each other."""
+    pool = StagingPool()
+    models = [torch.nn.Linear(8, 8) for _ in range(2)]
+    optimizers = [
+        OffloadAdamW(m.parameters(), force_staging=True, staging_pool=pool) for m in models
+    ]
+    saved = []
+
+    def save_in_a_worker(signum, frame):
+        worker = threading.Thread(target=lambda: saved.append([o.state_dict() for o in optimizers]))
+        worker.start()
+        worker.join(timeout=5)
+        assert saved, "the worker waited for the step holding the pool"
+
+    signal.signal(signal.SIGTERM, save_in_a_worker)
+    calls = signal_on_call(monkeypatch, adamw_module, "adamw_update", {1}, signal.SIGTERM)
+    for model in models:
+        model(torch.ones(2, 8)).sum().backward()
+    optimizers[0].step()
+    assert calls and len(saved) == 1
+    assert saved[0][0]["state"][0]["step"] == 1
 
 
 def test_a_notice_during_a_load_sees_the_loaded_state_whole(monkeypatch):

@@ -348,6 +348,30 @@ def test_only_a_step_that_allocated_buffers_copies_in_after_the_callers_stream()
 
 
 @pytest.mark.no_stream_check  # it runs its own checker
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+@pytest.mark.parametrize("resident", [None, 1.0], ids=["staged", "resident"])
+def test_a_step_reads_what_the_caller_queued_into_lent_views(resident, overlap):
+    """``state_dict()`` lends views of the host buffers, which the caller may write until the
+    next step: with a non-blocking copy from device memory, queued on its stream (a checkpoint
+    loaded in place from GPU tensors). The step's copy-in, or resident upload, comes after."""
+    model = torch.nn.Linear(8, 8, bias=False)
+    opt = OffloadAdamW(model.parameters(), force_staging=True, resident=resident)
+    if overlap:
+        opt.overlap_with(model)
+    with StreamChecker() as checker:
+        for _ in range(2):
+            model(torch.ones(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        lent = opt.state_dict()["state"][0]["exp_avg"]
+        lent.copy_(torch.full((8, 8), 0.5), non_blocking=True)  # device memory, queued
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.wait_for_updates()
+    checker.expect_none()
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
 @pytest.mark.parametrize("grow", [False, True], ids=["same-sets", "sets-regrown"])
 def test_optimizers_of_one_pool_on_streams_of_their_own_are_ordered(grow):
     """Each optimizer of a pool stepped on a stream of the caller's, the streams ordered only
