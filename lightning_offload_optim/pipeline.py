@@ -224,10 +224,11 @@ class StagingPool:
         self.loads: dict[tuple[Kind, int], object] = {}
         #: Per kind, the set the next step starts with (where the pool is shared).
         self.next_set: dict[Kind, int] = {}
-        #: Devices where buffers were allocated (on the caller's stream) since the last step:
-        #: its copy-ins wait for the caller's stream, which may have used the memory just before.
-        #: Other steps' copy-ins need not, so the first one overlaps the end of the backward.
-        self.fresh: set[torch.device] = set()
+        #: Devices where buffers were allocated since the last step, and the event after the
+        #: allocation on the stream that allocated them, which may have used the memory just
+        #: before (the caching allocator's reuse): the next step's updates and copy-ins wait for
+        #: it. Other steps' copy-ins do not wait, so the first overlaps the end of the backward.
+        self.fresh: dict[torch.device, torch.Event | None] = {}
         #: Per device, the streams updates ran on (their buffers' memory is freed only after
         #: the work queued there), and the event after the last step's updates.
         self.computes: dict[torch.device, set[torch.Stream]] = {}
@@ -263,6 +264,7 @@ class StagingPool:
             streams = self.streams_for(device)
             buffers = self.buffers.setdefault((device, dtype), [])
             buffers.extend({} for _ in range(count - len(buffers)))
+            allocated = False
             for number, buffer in enumerate(buffers):
                 for key, numel in sizes.items():
                     if key in buffer and buffer[key].numel() >= numel:
@@ -272,7 +274,9 @@ class StagingPool:
                     buffer[key] = torch.empty(numel, dtype=dtype, device=device)
                     streams.used_by_side_streams(buffer[key])
                     self.loads.pop(((device, dtype), number), None)
-                    self.fresh.add(device)
+                    allocated = True
+            if allocated:
+                self.fresh[device] = streams.record(streams.compute())
 
     def free_events(self, kind: Kind) -> list[torch.Event | None]:
         return self.free.setdefault(kind, [None] * self.num_buffers)
@@ -390,7 +394,7 @@ class StagingPipeline:
                 for key in arena.keys:
                     buffers[key] = torch.empty(numel, dtype=arena.dtype, device=arena.device)
                     streams.used_by_side_streams(buffers[key])
-                self.pool.fresh.add(arena.device)
+                self.pool.fresh[arena.device] = streams.record(streams.compute())
                 self._resident[arena] = _Resident(buffers)
                 arena.resident = ranges
 
@@ -517,10 +521,12 @@ class StagingPipeline:
                 streams.wait(compute, self.pool.last_update.get(device))
             self.pool.updated_on(device, compute)
             begins[device] = streams.record(compute, timing=True)
-            # Memory the caller's stream may have used just before (just allocated), or host
-            # buffers it may still write (through views lent, with non-blocking copies).
-            if device in self.pool.fresh or lent:
-                self.pool.fresh.discard(device)
+            # Memory just allocated, which the stream that allocated it may have used just
+            # before, or host buffers the caller's stream may still write (through views lent,
+            # with non-blocking copies): the updates and the copy-ins come after.
+            fresh = device in self.pool.fresh
+            streams.wait(compute, self.pool.fresh.pop(device, None))
+            if fresh or lent:
                 streams.wait(streams.copy_in, streams.record(compute))
             # The host buffers may still be written by the last copy-out.
             streams.wait(streams.copy_in, self._host_ready.get(device))

@@ -149,6 +149,7 @@ def scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         + overlap_scenario(monkeypatch)
         + resident_scenario(monkeypatch)
         + shared_pool_scenario()
+        + allocated_elsewhere_scenario(monkeypatch)
     )
 
 
@@ -256,6 +257,46 @@ def shared_pool_scenario() -> list[str]:
     return problems
 
 
+def allocated_elsewhere_scenario(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Buffers allocated on one stream by a step that stopped before its update, the next
+    step on another: staging the pool grew before the step counts' copies failed, and resident
+    buffers chosen by a step without gradients. The stream that allocated them went on using
+    memory; the next step's updates and copies must come after that stream's earlier work."""
+    caller = torch.cpu.current_stream()
+    side = torch.cpu.Stream()
+    pool = StagingPool()
+    large, small = torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(4, 4, bias=False)
+    grows = OffloadAdamW(large.parameters(), force_staging=True, staging_pool=pool)
+    other = OffloadAdamW(small.parameters(), force_staging=True, staging_pool=pool)
+    small(torch.ones(2, 4)).sum().backward()
+    other.step()
+    large(torch.ones(2, 16)).sum().backward()
+    side.wait_stream(caller)
+    with torch.cpu.stream(side), monkeypatch.context() as patch:
+        torch.empty(256).fill_(1.0)  # memory the side stream used and freed, for the pool
+        fail_on_call(patch, OffloadAdamW, "_steps_on_devices", 1, torch.OutOfMemoryError())
+        with pytest.raises(torch.OutOfMemoryError):
+            grows.step()  # the pool grew on the side stream
+    small(torch.ones(2, 4)).sum().backward()
+    other.step()
+    caller.wait_stream(side)
+
+    model = torch.nn.Linear(16, 16, bias=False)
+    opt = OffloadAdamW(model.parameters(), force_staging=True)
+    model(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.resident = 1.0
+    side.wait_stream(caller)
+    with torch.cpu.stream(side):
+        torch.empty(256).fill_(1.0)  # memory the side stream used and freed, for the buffers
+        opt.step()  # no gradients: resident buffers allocated on the side stream, nothing else
+    model(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    caller.wait_stream(side)
+    return []
+
+
 def _after_first(kind: str) -> Callable[[pytest.MonkeyPatch], None]:
     """Interrupt right after a chunk's copy-in or copy-out (``kind``) was queued, before its
     event is recorded: nothing waits for a copy-in interrupted so."""
@@ -294,21 +335,24 @@ def _unsettled_arenas(opt: OffloadAdamW) -> list[str]:
 
 def run_checked(pipeline: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(adamw_module, "StagingPipeline", pipeline.StagingPipeline)
+    # Pools the scenarios make are the module's too (their methods order work as well).
+    monkeypatch.setattr(adamw_module, "StagingPool", pipeline.StagingPool)
+    monkeypatch.setattr(sys.modules[__name__], "StagingPool", pipeline.StagingPool)
     with StreamChecker() as checker:
         problems = scenario(monkeypatch)
     return checker.violations + problems
 
 
 def test_the_harness_finds_every_ordering_step():
-    """Thirteen waits, fourteen data-ordering events (four of them the ends of timed copies),
+    """Fourteen waits, sixteen data-ordering events (four of them the ends of timed copies),
     two host waits and five notes of an arena's last use today: a new one counts too."""
     kinds = [label.split(": ", 1)[1].split("(")[0].split(".")[-1] for label, _ in MUTANTS]
     assert sorted(kinds) == (
         ["event"] * 4
         + ["read_by"] * 2
-        + ["record"] * 10
+        + ["record"] * 12
         + ["synchronize"] * 2
-        + ["wait"] * 13
+        + ["wait"] * 14
         + ["written_by"] * 3
     )
 
