@@ -33,7 +33,7 @@ from lightning_offload_optim.host_state import (
     Slot,
     state_keys,
 )
-from lightning_offload_optim.interrupts import notices_held, signals_held
+from lightning_offload_optim.interrupts import signals_held
 from lightning_offload_optim.overlap import ForwardOverlap
 from lightning_offload_optim.pipeline import (
     GRAD_KEY,
@@ -173,21 +173,6 @@ def _stepping_wrapper(optimizer: OffloadAdamW) -> str | None:
                 return type(caller).__name__
         frame = frame.f_back
     return None
-
-
-def _one_pool_step_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``method`` holding the lock of the optimizer's staging pool, so that another
-    optimizer of the pool (a backward hook in another thread) cannot release or regrow the
-    buffers between this step's allocations and its update. A scheduler's notice waits until
-    the lock is released: its handler may wait for a thread that needs the pool (one saving
-    state). (A Ctrl-C still stops the step before its update, or is raised right after it.)"""
-
-    @wraps(method)
-    def holding(optimizer: OffloadAdamW, *args: Any, **kwargs: Any) -> Any:
-        with notices_held(), optimizer._pipeline.pool.lock:
-            return method(optimizer, *args, **kwargs)
-
-    return holding
 
 
 def _on_the_optimizer(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -466,7 +451,6 @@ class OffloadAdamW(torch.optim.AdamW):
     # traced, its copies and streams failed inside the update, after the step counts advanced.
     @torch.compiler.disable
     @_outside_inference_mode
-    @_one_pool_step_at_a_time
     def _offloaded_step(self) -> None:
         self._refuse_if_interrupted()
         grad_scale, skip = amp_scaling(self)
@@ -520,8 +504,11 @@ class OffloadAdamW(torch.optim.AdamW):
                 _unscaled_into_copied_grads(chunk, active, left)
 
         # Everything is checked and allocated: from here on the update runs (a Ctrl-C or a
-        # scheduler's notice waits).
-        with signals_held():
+        # scheduler's notice waits, and its handler runs once the pool's lock is let go: it
+        # may wait for a thread using the pool). Another optimizer of the pool, in another
+        # thread, may have released the staging since: prepared again (all or nothing still).
+        with signals_held(), self._pipeline.pool.lock:
+            self._pipeline.prepare(chunks)
             try:
                 if new_slots:
                     self._host.adopt(new_slots)

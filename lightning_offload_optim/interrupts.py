@@ -180,13 +180,14 @@ def signals_held() -> Iterator[None]:
 def notices_held() -> Iterator[None]:
     """Hold the :data:`NOTICE_SIGNALS` handled in Python (not SIGINT) until the block ends,
     then run their handlers (:class:`NoticeHold`): for a block whose end a handler could wait
-    for, such as a step holding a lock that a handler's worker thread needs."""
+    for, such as one holding a staging pool's lock, which a handler's worker thread saving
+    the state would need."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     notices = NoticeHold()
-    notices.start()
-    try:
+    try:  # a Ctrl-C while it takes the handlers over still gives them back
+        notices.start()
         yield
     finally:
         notices.end()

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lightning_offload_optim.functional import SPLIT_ALIGNMENT
 from lightning_offload_optim.host_state import MASTER_KEY, Arena, Slot
+from lightning_offload_optim.interrupts import notices_held
 from lightning_offload_optim.resident import ResidentRanges
 from lightning_offload_optim.step_stats import COPY_IN, COPY_OUT, STEP, StepRecord
 from lightning_offload_optim.streams import PipelineStreams
@@ -224,11 +225,12 @@ class StagingPool:
         self.loads: dict[tuple[Kind, int], object] = {}
         #: Per kind, the set the next step starts with (where the pool is shared).
         self.next_set: dict[Kind, int] = {}
-        #: Devices where buffers were allocated since the last step, and the event after the
-        #: allocation on the stream that allocated them, which may have used the memory just
-        #: before (the caching allocator's reuse): the next step's updates and copy-ins wait for
-        #: it. Other steps' copy-ins do not wait, so the first overlaps the end of the backward.
-        self.fresh: dict[torch.device, torch.Event | None] = {}
+        #: Devices where buffers were allocated since the last step, and per allocation the
+        #: event after it on the stream that allocated them, which may have used the memory
+        #: just before (the caching allocator's reuse): the next step's updates and copy-ins
+        #: wait for them. Other steps' copy-ins do not wait, so the first overlaps the end of
+        #: the backward.
+        self.fresh: dict[torch.device, list[torch.Event | None]] = {}
         #: Per device, the streams updates ran on (their buffers' memory is freed only after
         #: the work queued there), and the event after the last step's updates.
         self.computes: dict[torch.device, set[torch.Stream]] = {}
@@ -265,18 +267,24 @@ class StagingPool:
             buffers = self.buffers.setdefault((device, dtype), [])
             buffers.extend({} for _ in range(count - len(buffers)))
             allocated = False
-            for number, buffer in enumerate(buffers):
-                for key, numel in sizes.items():
-                    if key in buffer and buffer[key].numel() >= numel:
-                        continue
-                    if key in buffer:
-                        self.retire(device, [buffer[key]])
-                    buffer[key] = torch.empty(numel, dtype=dtype, device=device)
-                    streams.used_by_side_streams(buffer[key])
-                    self.loads.pop(((device, dtype), number), None)
-                    allocated = True
-            if allocated:
-                self.fresh[device] = streams.record(streams.compute())
+            try:  # what was allocated is in the pool, also if a later allocation fails
+                for number, buffer in enumerate(buffers):
+                    for key, numel in sizes.items():
+                        if key in buffer and buffer[key].numel() >= numel:
+                            continue
+                        if key in buffer:
+                            self.retire(device, [buffer[key]])
+                        buffer[key] = torch.empty(numel, dtype=dtype, device=device)
+                        streams.used_by_side_streams(buffer[key])
+                        self.loads.pop(((device, dtype), number), None)
+                        allocated = True
+            finally:
+                if allocated:
+                    self.allocated(device, streams.record(streams.compute()))
+
+    def allocated(self, device: torch.device, event: torch.Event | None) -> None:
+        """Buffers were allocated on ``device``, on the stream ``event`` was recorded on."""
+        self.fresh.setdefault(device, []).append(event)
 
     def free_events(self, kind: Kind) -> list[torch.Event | None]:
         return self.free.setdefault(kind, [None] * self.num_buffers)
@@ -365,7 +373,7 @@ class StagingPipeline:
         Buffers hold the largest chunk (at most ``chunk_numel``), so a small model does not
         reserve full-size staging; :func:`staging_needs` says how many sets of them.
         """
-        with self.pool.lock:
+        with notices_held(), self.pool.lock:
             self.pool.grow(staging_needs(chunks, self.stages, self.num_buffers, self.pool.shared))
 
     @property
@@ -394,7 +402,7 @@ class StagingPipeline:
                 for key in arena.keys:
                     buffers[key] = torch.empty(numel, dtype=arena.dtype, device=arena.device)
                     streams.used_by_side_streams(buffers[key])
-                self.pool.fresh[arena.device] = streams.record(streams.compute())
+                self.pool.allocated(arena.device, streams.record(streams.compute()))
                 self._resident[arena] = _Resident(buffers)
                 arena.resident = ranges
 
@@ -434,7 +442,7 @@ class StagingPipeline:
         :meth:`run` uses these copies for the same chunks in the same places."""
         if self._prefetched or self._views_lent:
             return  # queued already (another forward pass before the same step), or lent
-        with self.pool.lock:
+        with notices_held(), self.pool.lock:
             self._prefetch(chunks)
 
     def _prefetch(self, chunks: Sequence[Chunk]) -> None:
@@ -463,10 +471,10 @@ class StagingPipeline:
             ):
                 continue
             staged = {key: buffers[number][key][: chunk.numel] for key in chunk.arena.keys}
-            loaded = self._load(chunk, staged, number, record)
+            loaded, token = self._load(chunk, staged, number, record)
             chunk.arena.read_by(loaded)
             position = (id(chunk.arena), chunk.start, chunk.stop, number)
-            self._prefetched[index] = (position, loaded, self.pool.loads[(kind, number)])
+            self._prefetched[index] = (position, loaded, token)
 
     def _sets(self, chunks: Sequence[Chunk]) -> tuple[list[int], dict[Kind, int]]:
         """Per chunk, the staging set it takes; and per kind, the set the next step starts
@@ -524,9 +532,10 @@ class StagingPipeline:
             # Memory just allocated, which the stream that allocated it may have used just
             # before, or host buffers the caller's stream may still write (through views lent,
             # with non-blocking copies): the updates and the copy-ins come after.
-            fresh = device in self.pool.fresh
-            streams.wait(compute, self.pool.fresh.pop(device, None))
-            if fresh or lent:
+            fresh = self.pool.fresh.pop(device, None)
+            for allocated in fresh or ():
+                streams.wait(compute, allocated)
+            if fresh is not None or lent:
                 streams.wait(streams.copy_in, streams.record(compute))
             # The host buffers may still be written by the last copy-out.
             streams.wait(streams.copy_in, self._host_ready.get(device))
@@ -554,7 +563,7 @@ class StagingPipeline:
                         if ahead is not None
                         and ahead[0] == (id(chunk.arena), chunk.start, chunk.stop, number)
                         and self.pool.loads.get((kind, number)) is ahead[2]
-                        else self._load(chunk, views, number, record)
+                        else self._load(chunk, views, number, record)[0]
                     )
                     self.updated.append(
                         self._run_staged(chunk, views, update, number, record, compute, loaded)
@@ -618,13 +627,13 @@ class StagingPipeline:
 
     def _load(
         self, chunk: Chunk, staged: dict[str, Tensor], number: int, record: StepRecord
-    ) -> torch.Event | None:
-        """Queue the copy of a chunk's host state into staging set ``number`` (a new token in
-        :attr:`StagingPool.loads`); the event after it."""
+    ) -> tuple[torch.Event | None, object]:
+        """Queue the copy of a chunk's host state into staging set ``number``; the event after
+        it, and the copy's token (now the set's in :attr:`StagingPool.loads`)."""
         device = chunk.arena.device
         streams = self._streams[device]
         free = self.pool.free_events((device, chunk.arena.dtype))
-        self.pool.loads[((device, chunk.arena.dtype), number)] = object()
+        token = self.pool.loads[((device, chunk.arena.dtype), number)] = object()
         host = chunk.host_views()
         with streams.on(streams.copy_in):
             streams.wait(streams.copy_in, free[number])  # the last copy-out from this buffer
@@ -633,7 +642,7 @@ class StagingPipeline:
                     staged[key].copy_(view, non_blocking=True)
             loaded = copied.event
         record.bytes_in += chunk.arena.state_bytes(chunk.numel)
-        return loaded
+        return loaded, token
 
     def _run_resident(
         self,
@@ -709,7 +718,7 @@ class StagingPipeline:
         resident state written back to the host first: the next run allocates staging again,
         and state is kept resident again once it is chosen again. A shared pool's staging is
         freed for all its optimizers."""
-        with self.pool.lock:
+        with notices_held(), self.pool.lock:
             self.wait_host()
             self.set_resident({arena: ResidentRanges() for arena in self._resident})
             self.pool.release()
@@ -736,7 +745,7 @@ class StagingPipeline:
     def wait_host(self) -> None:
         """Block until every staged chunk and all resident state have been written back to the
         host buffers; order the caller's streams after every queued update (on the device)."""
-        with self.pool.lock:
+        with notices_held(), self.pool.lock:
             self._wait_host()
 
     def _wait_host(self) -> None:

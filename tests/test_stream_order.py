@@ -481,6 +481,34 @@ def test_an_update_failed_partway_leaves_the_pools_sets_to_the_next_optimizer_or
 
 
 @pytest.mark.no_stream_check  # it runs its own checker
+def test_buffers_a_grow_allocated_before_it_ran_out_of_memory_are_waited_for(monkeypatch):
+    """A step's grow of a shared pool allocates two sets of three keys (amsgrad) and runs out
+    of memory at the last one: the buffers it allocated stay in the pool, and the next step
+    (another optimizer's, which needs nothing new) must still wait for the stream that used
+    their memory just before."""
+    pool = StagingPool()
+    models = [torch.nn.Linear(8, 8, bias=False) for _ in range(2)]
+    grows = OffloadAdamW(
+        models[0].parameters(), force_staging=True, staging_pool=pool, amsgrad=True
+    )
+    other = OffloadAdamW(models[1].parameters(), force_staging=True, staging_pool=pool)
+    with StreamChecker() as checker:
+        for model in models:
+            model(torch.ones(2, 8)).sum().backward()
+        torch.empty(1024).fill_(1.0)  # the caller's stream used memory, then freed it
+        with monkeypatch.context() as patch:  # the pipeline's sixth allocation fails
+            in_pipeline = types.SimpleNamespace(**vars(torch))
+            patch.setattr(lightning_offload_optim.pipeline, "torch", in_pipeline)
+            fail_on_call(patch, in_pipeline, "empty", 6, torch.OutOfMemoryError("the last buffer"))
+            with pytest.raises(torch.OutOfMemoryError, match="the last buffer"):
+                grows.step()
+        assert [len(b) for b in next(iter(pool.buffers.values()))] == [3, 2]
+        other.step()
+        other.wait_for_updates()
+    checker.expect_none()
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
 def test_no_copies_are_queued_ahead_into_buffers_a_step_allocated_then_failed():
     """A step that grew the pool's sets and then failed before its update (all or nothing: the
     step counts' copies failed) leaves the new buffers to the next step, which waits for the
