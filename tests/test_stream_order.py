@@ -509,6 +509,42 @@ def test_buffers_a_grow_allocated_before_it_ran_out_of_memory_are_waited_for(mon
 
 
 @pytest.mark.no_stream_check  # it runs its own checker
+def test_allocations_on_two_streams_before_a_step_are_both_waited_for(monkeypatch):
+    """The pool grows on one stream (a step that then failed at the step counts), resident
+    buffers are allocated on another (a step without gradients): the next step, on a third,
+    waits for both streams' earlier work, not only the last one's."""
+    pool = StagingPool()
+    large, small, resident = (torch.nn.Linear(n, n, bias=False) for n in (16, 4, 4))
+    grows, other, keeps = (
+        OffloadAdamW(m.parameters(), force_staging=True, staging_pool=pool)
+        for m in (large, small, resident)
+    )
+    with StreamChecker() as checker:
+        caller = torch.cpu.current_stream()
+        first, second = torch.cpu.Stream(), torch.cpu.Stream()
+        for model, opt in ((small, other), (resident, keeps)):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        large(torch.ones(2, 16)).sum().backward()
+        first.wait_stream(caller)
+        with torch.cpu.stream(first), monkeypatch.context() as patch:
+            torch.empty(256).fill_(1.0)  # memory the first stream used and freed, for the pool
+            fail_on_call(patch, OffloadAdamW, "_steps_on_devices", 1, torch.OutOfMemoryError())
+            with pytest.raises(torch.OutOfMemoryError):
+                grows.step()
+        second.wait_stream(caller)
+        keeps.resident = 1.0
+        with torch.cpu.stream(second):
+            keeps.step()  # no gradients: its resident buffers are allocated on this stream
+        caller.wait_stream(second)
+        small(torch.ones(2, 4)).sum().backward()
+        other.step()
+        caller.wait_stream(first)
+    checker.expect_none()
+
+
+@pytest.mark.no_stream_check  # it runs its own checker
 def test_no_copies_are_queued_ahead_into_buffers_a_step_allocated_then_failed():
     """A step that grew the pool's sets and then failed before its update (all or nothing: the
     step counts' copies failed) leaves the new buffers to the next step, which waits for the
