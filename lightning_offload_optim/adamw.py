@@ -508,7 +508,7 @@ class OffloadAdamW(torch.optim.AdamW):
         # may wait for a thread using the pool). Another optimizer of the pool, in another
         # thread, may have released the staging since: prepared again (all or nothing still).
         with signals_held(), self._pipeline.pool.lock:
-            self._pipeline.prepare(chunks)
+            self._pipeline.prepare_again(chunks)
             try:
                 if new_slots:
                     self._host.adopt(new_slots)

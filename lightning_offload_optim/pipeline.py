@@ -235,6 +235,8 @@ class StagingPool:
         #: the work queued there), and the event after the last step's updates.
         self.computes: dict[torch.device, set[torch.Stream]] = {}
         self.last_update: dict[torch.device, torch.Event | None] = {}
+        #: How many times its buffers were released (a step prepared before one prepares again).
+        self.releases = 0
         self.lock = threading.RLock()
 
     @classmethod
@@ -320,6 +322,7 @@ class StagingPool:
         self.free.clear()
         self.loads.clear()
         self.next_set.clear()
+        self.releases += 1
 
 
 class StagingPipeline:
@@ -351,6 +354,7 @@ class StagingPipeline:
         # set), the event after the copy, and the load's token (see StagingPool.loads).
         self._prefetched: dict[int, tuple[tuple[int, int, int, int], torch.Event | None, object]]
         self._prefetched = {}
+        self._prepared_at = -1  # the pool's releases when prepare() last ran
         # The host buffers are lent out as views until the next step: no copies queue ahead.
         self._views_lent = False
         #: Copies queued between steps (prefetches, write-backs of resident state): the next
@@ -375,6 +379,13 @@ class StagingPipeline:
         """
         with notices_held(), self.pool.lock:
             self.pool.grow(staging_needs(chunks, self.stages, self.num_buffers, self.pool.shared))
+            self._prepared_at = self.pool.releases
+
+    def prepare_again(self, chunks: Sequence[Chunk]) -> None:
+        """:meth:`prepare` again if the pool's buffers were released since (by another thread:
+        call it holding the pool's lock, up to :meth:`run`)."""
+        if self._prepared_at != self.pool.releases:
+            self.prepare(chunks)
 
     @property
     def staging_bytes(self) -> int:

@@ -1245,7 +1245,8 @@ def test_optimizers_of_one_pool_overlapped_with_their_models_match_torch():
 def test_a_release_from_another_thread_waits_for_a_step_of_the_pool():
     """Autograd runs each device's backward hooks in a thread of its own: another optimizer of
     the pool freeing its buffers (``release_device_memory``) between a step's allocations and
-    its update would fail that update partway. The pool's lock makes it wait for the step."""
+    its update failed that update partway. The update prepares them again under the pool's
+    lock, which a release waits for."""
     pool = StagingPool()
     models = [torch.nn.Linear(4, 4) for _ in range(2)]
     twin = copy.deepcopy(models[0])
@@ -1254,14 +1255,14 @@ def test_a_release_from_another_thread_waits_for_a_step_of_the_pool():
     )
     reference = torch.optim.AdamW(twin.parameters(), lr=0.01, fused=True)
     prepared = threading.Event()
-    real_run = stepping._pipeline.run
+    real_copies = stepping._steps_on_devices
 
-    def run_later(*args, **kwargs):
+    def copies_later(*args, **kwargs):  # after the step's prepare(), before its update
         prepared.set()
         time.sleep(0.2)  # the other thread's release comes now
-        return real_run(*args, **kwargs)
+        return real_copies(*args, **kwargs)
 
-    stepping._pipeline.run = run_later
+    stepping._steps_on_devices = copies_later
     for net in (models[0], twin):
         net(torch.ones(2, 4)).sum().backward()
     errors = []
