@@ -1207,12 +1207,9 @@ class OffloadAdamW(torch.optim.AdamW):
             super().__setstate__(state)  # torch's load_state_dict installing the loaded state
             return
         state = dict(state)
-        for name in _FIXED_SETTINGS:  # no staging_pool: pickled before the setting existed
-            setattr(
-                self,
-                f"_{name}",
-                state.pop(name, None) if name == "staging_pool" else state.pop(name),
-            )
+        state.setdefault("staging_pool", None)  # pickled before the setting existed
+        for name in _FIXED_SETTINGS:
+            setattr(self, f"_{name}", state.pop(name))
         resident = state.pop("resident", None)  # None: pickled before the setting existed
         offloaded = state.pop("offloaded", [])
         interrupted = state.pop("interrupted", None)

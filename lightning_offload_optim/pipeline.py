@@ -112,12 +112,16 @@ def plan_chunks(slots: Sequence[Slot], chunk_numel: int | Callable[[Arena], int]
     return chunks
 
 
+#: A kind of chunk, staged through buffer sets of its own: the device and the state's dtype.
+Kind = tuple[torch.device, torch.dtype]
+
+
 def staging_needs(
     chunks: Iterable[Chunk],
     stages: Callable[[torch.device], bool],
     num_buffers: int,
     shared: bool = False,
-) -> dict[tuple[torch.device, torch.dtype], tuple[int, dict[str, int]]]:
+) -> dict[Kind, tuple[int, dict[str, int]]]:
     """What a step of ``chunks`` needs of staging, per kind of chunk (device and state dtype):
     how many buffer sets, and per key the elements of each (its largest chunk). A staged
     device (``stages``) gets ``num_buffers`` sets, so that a chunk loads while the one before it
@@ -126,7 +130,7 @@ def staging_needs(
     in backward, would otherwise hold twice its state in staging); a device updated in place
     needs one gradient scratch at most (its chunks run one after another). Kinds whose chunks
     need no buffer map to no keys."""
-    needs: dict[tuple[torch.device, torch.dtype], tuple[int, dict[str, int]]] = {}
+    needs: dict[Kind, tuple[int, dict[str, int]]] = {}
     for chunk in chunks:
         kind = (chunk.arena.device, chunk.arena.dtype)
         users, sizes = needs.get(kind, (0, {}))
@@ -171,9 +175,6 @@ class _Resident:
         for key, buffer in self.buffers.items():
             for on_host, on_device in arena.resident.pieces():
                 yield arena.buffers[key][on_host], buffer[on_device]
-
-
-Kind = tuple[torch.device, torch.dtype]
 
 
 class StagingPool:
@@ -282,11 +283,12 @@ class StagingPool:
                         allocated = True
             finally:
                 if allocated:
-                    self.allocated(device, streams.record(streams.compute()))
+                    self.allocated(device)
 
-    def allocated(self, device: torch.device, event: torch.Event | None) -> None:
-        """Buffers were allocated on ``device``, on the stream ``event`` was recorded on."""
-        self.fresh.setdefault(device, []).append(event)
+    def allocated(self, device: torch.device) -> None:
+        """Buffers were just allocated on ``device``, on the caller's current stream there."""
+        streams = self.streams_for(device)
+        self.fresh.setdefault(device, []).append(streams.record(streams.compute()))
 
     def free_events(self, kind: Kind) -> list[torch.Event | None]:
         return self.free.setdefault(kind, [None] * self.num_buffers)
@@ -413,7 +415,7 @@ class StagingPipeline:
                 for key in arena.keys:
                     buffers[key] = torch.empty(numel, dtype=arena.dtype, device=arena.device)
                     streams.used_by_side_streams(buffers[key])
-                self.pool.allocated(arena.device, streams.record(streams.compute()))
+                self.pool.allocated(arena.device)
                 self._resident[arena] = _Resident(buffers)
                 arena.resident = ranges
 
