@@ -549,7 +549,7 @@ def test_allocations_on_two_streams_before_a_step_are_both_waited_for(monkeypatc
 
 
 @pytest.mark.no_stream_check  # it runs its own checker
-def test_no_copies_are_queued_ahead_into_buffers_a_step_allocated_then_failed():
+def test_no_copies_are_queued_ahead_into_buffers_a_step_allocated_then_failed(monkeypatch):
     """A step that grew the pool's sets and then failed before its update (all or nothing: the
     step counts' copies failed) leaves the new buffers to the next step, which waits for the
     caller's stream that allocated them: a forward's copies queued ahead into them would not."""
@@ -564,10 +564,7 @@ def test_no_copies_are_queued_ahead_into_buffers_a_step_allocated_then_failed():
             ahead.step()
             ahead.zero_grad()
         large(torch.ones(2, 32)).sum().backward()
-        with pytest.MonkeyPatch.context() as patch:
-            fail_on_call(patch, OffloadAdamW, "_steps_on_devices", 1, torch.OutOfMemoryError())
-            with pytest.raises(torch.OutOfMemoryError):
-                grows.step()
+        grow_then_fail_on(torch.cpu.current_stream(), grows, monkeypatch)
         small(torch.ones(2, 8)).sum().backward()  # queues the next copies ahead
         ahead.step()
         ahead.wait_for_updates()
